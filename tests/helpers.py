@@ -1,0 +1,43 @@
+"""Shared helpers: run the real worker as `python -m training` or under real `torchrun`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def child_env(**extra: str) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("MLFLOW_RUN_ID", None)
+    env.update(extra)
+    return env
+
+
+def run_worker(workdir: Path, nproc: int = 1, env: dict | None = None, check: bool = True,
+               timeout: float = 240, **cfg) -> subprocess.CompletedProcess:
+    """Write cfg to workdir/cfg.json and run the worker; nproc > 1 means torchrun + ddp."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    cfg.setdefault("checkpoint_dir", str(workdir / "ckpt"))
+    if nproc > 1:
+        cfg.setdefault("strategy", "ddp")
+    (workdir / "cfg.json").write_text(json.dumps(cfg))
+    args = ["-m", "training", "--config", str(workdir / "cfg.json")]
+    if cfg.get("strategy") == "ddp":
+        cmd = [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={nproc}", *args]
+    else:
+        cmd = [sys.executable, *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env or child_env(), capture_output=True,
+                          text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"worker failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def result(workdir: Path) -> dict:
+    return json.loads((workdir / "result.json").read_text())

@@ -1,0 +1,217 @@
+"""Training core: resume, checkpoints, safety, data, config validation, real learning."""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from tests.helpers import ROOT, child_env, result, run_worker
+from training import TrainConfig
+from training.__main__ import run
+from training.checkpoint import CheckpointError, CheckpointStore, load_file, load_model_state
+from training.data import DatasetError, load_data
+from training.models import SimpleNN
+
+
+def _run_inprocess(workdir: Path, **cfg) -> dict:
+    workdir.mkdir(parents=True, exist_ok=True)
+    cfg.setdefault("checkpoint_dir", str(workdir / "ckpt"))
+    TrainConfig(**cfg).to_json(workdir / "cfg.json")
+    return run(str(workdir / "cfg.json"), None)
+
+
+SMALL = dict(dataset="synthetic", synthetic_size=600, batch_size=50, seed=3, model="cnn")
+
+
+def test_two_epochs_straight_equal_one_epoch_resume_one_epoch(tmp_path):
+    straight = _run_inprocess(tmp_path / "a", epochs=2, **SMALL)
+    _run_inprocess(tmp_path / "b", epochs=1, **SMALL)
+    resumed = _run_inprocess(tmp_path / "b", epochs=2, **SMALL)  # resume=auto
+    assert resumed["resumed_from"].endswith("epoch-0001.pt")
+    assert [h["epoch"] for h in resumed["history"]] == [1, 2]
+    a, b = load_file(straight["checkpoint"]), load_file(resumed["checkpoint"])
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    assert a["epoch"] == b["epoch"] == 2
+    assert a["config"]["model"] == "cnn"  # the config travels in every checkpoint
+
+
+def test_checkpoint_holds_everything_needed_to_resume(tmp_path):
+    res = _run_inprocess(tmp_path, epochs=1, **SMALL)
+    ck = load_file(res["checkpoint"])
+    assert set(ck) >= {"model", "optimizer", "scaler", "epoch", "rng", "config"}
+    assert ck["optimizer"]["state"], "optimizer state (Adam moments) must be saved"
+
+
+def test_checkpoint_with_pickled_object_is_refused(tmp_path):
+    evil = tmp_path / "evil.pt"
+    torch.save({"model": SimpleNN().state_dict(), "payload": subprocess.Popen}, evil)
+    with pytest.raises(CheckpointError, match="pickled Python objects"):
+        load_file(evil)
+    # through the worker too: a clear one-line error, exit 2, no traceback
+    proc = run_worker(tmp_path / "w", check=False, dataset="synthetic", synthetic_size=200,
+                      epochs=1, resume=str(evil))
+    assert proc.returncode == 2
+    assert "refusing to load" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_interrupted_checkpoint_write_leaves_previous_one_intact(tmp_path, monkeypatch):
+    store = CheckpointStore(tmp_path)
+    good = store.save({"model": SimpleNN().state_dict(), "epoch": 1}, 1)
+
+    def dying_save(obj, f, *a, **k):
+        f.write(b"half a file")
+        raise KeyboardInterrupt  # the process is killed mid-write
+
+    monkeypatch.setattr(torch, "save", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        store.save({"model": SimpleNN().state_dict(), "epoch": 2}, 2)
+    assert store.latest() == good
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch-0001.pt"]
+    load_model_state(SimpleNN(), load_file(good)["model"])
+
+
+def test_corrupt_checkpoint_and_other_architecture_get_clear_errors(tmp_path):
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match="corrupt"):
+        load_file(bad)
+    from training.models import SmallCNN
+
+    with pytest.raises(CheckpointError, match=r"missing keys \['fc1.bias'"):
+        load_model_state(SimpleNN(), SmallCNN().state_dict())
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_file(tmp_path / "nope.pt")
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("model", "vgg", "unknown model 'vgg'"),
+    ("dataset", "imagenet", "unknown dataset 'imagenet'"),
+    ("strategy", "fsdp", "strategy"),
+    ("epochs", 0, "epochs must be a positive integer, got 0"),
+    ("batch_size", -4, "batch_size must be a positive integer, got -4"),
+    ("lr", 0.0, "lr must be > 0, got 0.0"),
+])
+def test_bad_config_values_are_named_in_the_error(field, value, message):
+    with pytest.raises(ValidationError, match=message):
+        TrainConfig(**{field: value})
+
+
+def test_fp16_on_cpu_is_refused_before_training(tmp_path):
+    with pytest.raises(ValidationError, match="fp16"):
+        TrainConfig(precision="fp16", device="cpu")
+    if not torch.cuda.is_available():
+        proc = run_worker(tmp_path, check=False, precision="fp16", dataset="synthetic",
+                          synthetic_size=100, epochs=1)
+        assert proc.returncode == 2 and "use 'bf16' or 'fp32'" in proc.stderr
+        assert not (tmp_path / "ckpt").exists()  # nothing written
+
+
+def test_bf16_on_cpu_trains(tmp_path):
+    res = _run_inprocess(tmp_path, epochs=1, precision="bf16", **SMALL)
+    assert res["epochs_run"] == 1 and res["final_metrics"]["train_loss"] > 0
+
+
+def test_config_json_round_trip(tmp_path):
+    cfg = TrainConfig(model="cnn", epochs=5, precision="bf16", strategy="ddp")
+    assert TrainConfig.from_json(cfg.to_json(tmp_path / "c.json")) == cfg
+
+
+def _write_idx(path: Path, arr: torch.Tensor) -> None:
+    dims = arr.shape
+    code = 0x08  # unsigned byte
+    header = struct.pack(">HBB", 0, code, len(dims)) + b"".join(struct.pack(">I", d) for d in dims)
+    path.write_bytes(header + arr.to(torch.uint8).numpy().tobytes())
+
+
+def test_mnist_loads_through_torchvision_from_local_idx_files(tmp_path):
+    raw = tmp_path / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    g = torch.Generator().manual_seed(0)
+    for prefix, n in (("train", 40), ("t10k", 10)):
+        _write_idx(raw / f"{prefix}-images-idx3-ubyte", torch.randint(0, 256, (n, 28, 28), generator=g))
+        _write_idx(raw / f"{prefix}-labels-idx1-ubyte", torch.arange(n) % 10)
+    cfg = TrainConfig(dataset="mnist", data_root=str(tmp_path), val_fraction=0.25)
+    bundle = load_data(cfg)
+    assert len(bundle.train) + len(bundle.val) == 40 and len(bundle.val) == 10
+    assert bundle.input_shape == (1, 28, 28) and bundle.num_classes == 10
+    assert bundle.fingerprint["num_samples"] == 40 and len(bundle.fingerprint["sha256"]) == 64
+    res = _run_inprocess(tmp_path / "run", dataset="mnist", data_root=str(tmp_path), epochs=1,
+                         batch_size=8)
+    assert res["epochs_run"] == 1
+
+
+def test_missing_offline_dataset_names_the_path(tmp_path):
+    cfg = TrainConfig(dataset="fashion-mnist", data_root=str(tmp_path / "empty"))
+    with pytest.raises(DatasetError, match=str(tmp_path / "empty")):
+        load_data(cfg)
+
+
+def test_imagefolder_dataset(tmp_path):
+    from PIL import Image
+
+    for cls in ("cat", "dog"):
+        (tmp_path / cls).mkdir()
+        for i in range(6):
+            Image.new("RGB", (20, 16), (i * 40, 0 if cls == "cat" else 200, 0)).save(tmp_path / cls / f"{i}.png")
+    bundle = load_data(TrainConfig(dataset=f"imagefolder:{tmp_path}", model="cnn", val_fraction=0.25))
+    assert bundle.num_classes == 2 and len(bundle.train) == 9 and len(bundle.val) == 3
+    x, y = bundle.train[0]
+    assert tuple(x.shape) == bundle.input_shape == (3, 64, 64)
+
+
+def test_split_is_deterministic_and_disjoint():
+    from training.data import split_indices
+
+    a = split_indices(1797, 0.2, 0)
+    assert a == split_indices(1797, 0.2, 0)
+    assert not set(a[0]) & set(a[1]) and len(a[0]) + len(a[1]) == 1797
+    assert a != split_indices(1797, 0.2, 1)
+
+
+def test_default_dataset_and_mlp_really_learn(tmp_path):
+    """The README's figure: digits + mlp, 3 epochs, on 2 CPU cores."""
+    res = _run_inprocess(tmp_path, epochs=3, model="mlp", dataset="digits")
+    hist = res["history"]
+    assert res["final_metrics"]["val_accuracy"] >= 0.90
+    assert hist[-1]["train_loss"] < hist[0]["train_loss"]
+
+
+def test_training_package_never_imports_prefect():
+    code = ("import sys, training, training.trainer, training.data, training.checkpoint, "
+            "training.distributed, training.tracking, training.__main__; "
+            "bad = [m for m in sys.modules if m.split('.')[0] == 'prefect']; "
+            "print(bad); sys.exit(1 if bad else 0)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=child_env(),
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for py in (ROOT / "training").glob("*.py"):
+        text = py.read_text()
+        assert "import prefect" not in text and "from prefect" not in text, py
+
+
+def test_worker_help_explains_usage():
+    proc = subprocess.run([sys.executable, "-m", "training", "--help"], cwd=ROOT,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0 and "--config" in proc.stdout and "torchrun" in proc.stdout
+
+
+def test_ddp_strategy_without_torchrun_says_how_to_launch(tmp_path):
+    TrainConfig(strategy="ddp", dataset="synthetic", epochs=1).to_json(tmp_path / "c.json")
+    proc = subprocess.run([sys.executable, "-m", "training", "--config", str(tmp_path / "c.json")],
+                          cwd=ROOT, env=child_env(), capture_output=True, text=True)
+    assert proc.returncode == 2 and "torchrun --nproc_per_node" in proc.stderr
+
+
+@pytest.mark.gpu
+def test_single_gpu_run_with_bf16_and_fp16(tmp_path):
+    for prec in ("bf16", "fp16"):
+        res = _run_inprocess(tmp_path / prec, epochs=1, precision=prec, device="cuda", **SMALL)
+        assert res["device"].startswith("cuda")

@@ -1,0 +1,83 @@
+"""DDP correctness on CPU with real torchrun processes over gloo."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tests.helpers import result, run_worker
+from training.checkpoint import load_file, load_model_state
+from training.models import SimpleNN
+
+# 515 synthetic samples, 25% held out -> 129 validation samples (odd: not divisible by 2)
+# and 386 training samples: 6 full global batches of 64 and a last one of 2.
+CFG = dict(dataset="synthetic", synthetic_size=515, val_fraction=0.25, model="mlp",
+           optimizer="sgd", lr=0.05, batch_size=64, epochs=2, seed=7, resume="never")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("ddp")
+    run_worker(base / "one", nproc=1, **CFG)
+    run_worker(base / "two", nproc=2, **CFG)
+    return base / "one", base / "two"
+
+
+def _params(workdir) -> dict:
+    return load_file(result(workdir)["checkpoint"])["model"]
+
+
+def test_two_gloo_processes_on_half_batches_match_one_process_on_whole_batch(runs):
+    one, two = runs
+    assert result(two)["world_size"] == 2 and result(one)["world_size"] == 1
+    p1, p2 = _params(one), _params(two)
+    assert p1.keys() == p2.keys()
+    for k in p1:
+        assert torch.allclose(p1[k], p2[k], atol=1e-5, rtol=1e-4), k
+    # and training really moved the weights (the comparison is not trivially true)
+    init = SimpleNN().state_dict()
+    assert not torch.allclose(p1["fc1.weight"], init["fc1.weight"])
+
+
+def test_metrics_do_not_depend_on_world_size_with_odd_validation_set(runs):
+    one, two = runs
+    m1, m2 = result(one)["final_metrics"], result(two)["final_metrics"]
+    assert 129 % 2 == 1
+    assert m1["val_accuracy"] == pytest.approx(m2["val_accuracy"], abs=1e-9)
+    assert m1["val_loss"] == pytest.approx(m2["val_loss"], rel=1e-5)
+    assert m1["train_loss"] == pytest.approx(m2["train_loss"], rel=1e-5)
+    # accuracy is a count over exactly 129 samples
+    assert round(m1["val_accuracy"] * 129, 6) == round(m1["val_accuracy"] * 129)
+
+
+def test_ddp_checkpoint_loads_into_bare_model_dp_wrapper_and_fresh_ddp_run(runs, tmp_path):
+    _, two = runs
+    ckpt = result(two)["checkpoint"]
+    state = load_file(ckpt)["model"]
+    assert not any(k.startswith(("module.", "_orig_mod.")) for k in state)
+
+    bare = SimpleNN()
+    bare.load_state_dict(state, strict=True)
+    dp = nn.DataParallel(SimpleNN())
+    dp.module.load_state_dict(state, strict=True)
+    load_model_state(dp, state)  # the wrapper itself is accepted too
+    assert torch.equal(dp.module.fc1.weight, bare.fc1.weight)
+
+    # a fresh DDP run resumes from it and continues at the next epoch
+    fresh = tmp_path / "fresh"
+    run_worker(fresh, nproc=2, **{**CFG, "epochs": 3, "resume": ckpt})
+    res = result(fresh)
+    assert res["resumed_from"] == ckpt
+    assert [h["epoch"] for h in res["history"]] == [1, 2, 3]
+
+
+def test_file_with_module_prefixed_keys_loads(tmp_path):
+    model = SimpleNN()
+    prefixed = {f"module.{k}": v for k, v in model.state_dict().items()}
+    torch.save(prefixed, tmp_path / "dp.pt")
+    target = SimpleNN()
+    load_model_state(target, load_file(tmp_path / "dp.pt"))
+    assert torch.equal(target.fc2.bias, model.fc2.bias)
+    compiled_ddp = {f"module._orig_mod.{k}": v for k, v in model.state_dict().items()}
+    load_model_state(SimpleNN(), compiled_ddp)

@@ -1,0 +1,68 @@
+"""Worker entry point: `python -m training --config CFG` or `torchrun ... -m training --config CFG`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from pydantic import ValidationError
+
+USER_ERRORS = ("ValidationError", "LaunchError", "DatasetError", "CheckpointError", "FileNotFoundError")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m training",
+        description="Train one model from a JSON config (see training/config.py for the fields). "
+        "Under torchrun, ranks come from the environment.",
+    )
+    p.add_argument("--config", required=True, help="path of the TrainConfig JSON file")
+    p.add_argument("--result", help="where global rank 0 writes the results JSON "
+                   "(default: result.json beside the config)")
+    return p.parse_args(argv)
+
+
+def write_json_atomic(path: Path, obj: dict) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2))
+    os.replace(tmp, path)
+
+
+def run(config_path: str, result_path: str | None) -> dict:
+    from . import data, distributed
+    from .config import TrainConfig
+    from .trainer import Trainer, seed_everything, set_determinism
+
+    cfg = TrainConfig.from_json(config_path)
+    ctx = distributed.setup(cfg)
+    try:
+        seed_everything(cfg.seed)
+        set_determinism(cfg)
+        trainer = Trainer(cfg, ctx, data.load_data(cfg))
+        result = trainer.train()
+        if ctx.is_main:
+            out = Path(result_path or Path(config_path).with_name("result.json"))
+            write_json_atomic(out, result)
+        return result
+    finally:
+        distributed.teardown()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    rank = os.environ.get("RANK", "0")
+    try:
+        run(args.config, args.result)
+    except Exception as e:
+        if type(e).__name__ in USER_ERRORS or isinstance(e, ValidationError):
+            print(f"[rank {rank}] error: {e}", file=sys.stderr, flush=True)
+            return 2
+        raise
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""Checkpoints: one file per epoch, written atomically, loaded with weights_only=True.
+
+A file holds {model, optimizer, scaler, epoch, rng, config}. `model` never carries the
+`module.` (DP/DDP) or `_orig_mod.` (torch.compile) prefix, so it loads with strict=True
+into the plain model class. Files written by other tools with those prefixes load too.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import random
+import re
+import tempfile
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
+
+PREFIXES = ("module.", "_orig_mod.")
+NAME = re.compile(r"^epoch-(\d+)\.pt$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be used; the message names the file and what to do."""
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The plain module inside DataParallel / DDP / torch.compile wrappers."""
+    while hasattr(model, "module") or hasattr(model, "_orig_mod"):
+        model = getattr(model, "module", None) or getattr(model, "_orig_mod")
+    return model
+
+
+def clean_state_dict(state: dict) -> OrderedDict:
+    """Copy of `state` with wrapper prefixes removed (repeatedly: DDP around compile)."""
+    state = OrderedDict(state)
+    changed = True
+    while changed:
+        before = list(state)
+        for p in PREFIXES:
+            consume_prefix_in_state_dict_if_present(state, p)
+        changed = list(state) != before
+    state.pop("_metadata", None)
+    return state
+
+
+def load_model_state(model: nn.Module, state: dict, source: str = "checkpoint") -> None:
+    """Load a (possibly prefixed) state dict into `model` or its wrapper, strictly."""
+    target = unwrap(model)
+    state = clean_state_dict(state)
+    missing = sorted(set(target.state_dict()) - set(state))
+    unexpected = sorted(set(state) - set(target.state_dict()))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{source} does not fit model {type(target).__name__}: "
+            f"missing keys {missing[:8]}{' ...' if len(missing) > 8 else ''}, "
+            f"unexpected keys {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}. "
+            "Was it saved from another architecture? Pick the matching model or another file."
+        )
+    try:
+        target.load_state_dict(state, strict=True)
+    except RuntimeError as e:  # same keys, other shapes
+        raise CheckpointError(f"{source} does not fit model {type(target).__name__}: {e}") from None
+
+
+def load_file(path: str | Path, map_location="cpu") -> dict:
+    """torch.load with weights_only=True and errors a user can act on."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {str(path)!r} does not exist; check the resume path")
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        if "weights_only" in str(e) or "Unsupported global" in str(e):
+            raise CheckpointError(
+                f"refusing to load {str(path)!r}: it contains pickled Python objects, not only "
+                f"tensors, and loading it could run arbitrary code. Re-save it as a plain "
+                f"state dict ({str(e).splitlines()[0][:200]})"
+            ) from None
+        raise CheckpointError(f"checkpoint {str(path)!r} is corrupt or not a torch file: {e}") from None
+    except (RuntimeError, EOFError, ValueError, OSError) as e:
+        raise CheckpointError(f"checkpoint {str(path)!r} is corrupt or truncated: {e}") from None
+
+
+def rng_state() -> dict:
+    py = random.getstate()
+    np_state = np.random.get_state()
+    return {
+        "python": [py[0], list(py[1]), py[2]],
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    np_s = state["numpy"]
+    np.random.set_state((np_s[0], np_s[1].numpy().astype(np.uint32), *np_s[2:]))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"][: torch.cuda.device_count()])
+
+
+class CheckpointStore:
+    """Epoch checkpoints in one folder: `epoch-0001.pt`, ... Only complete files count."""
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+
+    def path_for(self, epoch: int) -> Path:
+        return self.folder / f"epoch-{epoch:04d}.pt"
+
+    def save(self, payload: dict, epoch: int) -> Path:
+        """Write to a temp file in the same folder, fsync, then rename: never half a file."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        final = self.path_for(epoch)
+        fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=".tmp-", suffix=".pt")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                torch.save(payload, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return final
+
+    def latest(self) -> Path | None:
+        """Newest complete checkpoint (temp files never match the name pattern)."""
+        if not self.folder.is_dir():
+            return None
+        found = [(int(m.group(1)), p) for p in self.folder.iterdir() if (m := NAME.match(p.name))]
+        return max(found)[1] if found else None

@@ -1,0 +1,125 @@
+"""Typed training config shared by the flow (parent) and the worker (child).
+
+The parent validates it, writes it to JSON, logs it whole to MLflow; the child reads the
+same JSON and stores it in every checkpoint. Validation errors name the value and the fix.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MODELS = ("mlp", "cnn", "resnet18")
+BUILTIN_DATASETS = ("digits", "synthetic", "mnist", "fashion-mnist", "cifar10")
+Precision = Literal["fp32", "bf16", "fp16"]
+Strategy = Literal["single", "dp", "ddp"]
+
+
+class TrainConfig(BaseModel):
+    """Everything the worker needs to train, and nothing about the host it runs on."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    model: str = Field("mlp", description=f"one of {', '.join(MODELS)}")
+    dataset: str = Field(
+        "digits",
+        description="digits (ships with scikit-learn, offline), synthetic, mnist, "
+        "fashion-mnist, cifar10, or imagefolder:<path>",
+    )
+    data_root: str = Field("data", description="folder holding torchvision datasets")
+    download: bool = Field(False, description="download torchvision datasets if missing")
+    val_fraction: float = Field(0.2, gt=0, lt=1, description="share held out for validation")
+    split_seed: int = Field(0, description="seed of the train/validation split")
+    synthetic_size: int = Field(4096, gt=0, description="samples in the synthetic dataset")
+    epochs: int = Field(3, description="epochs to train (> 0)")
+    batch_size: int = Field(64, description="global batch size, split across devices")
+    lr: float = Field(1e-3, description="learning rate (> 0)")
+    optimizer: Literal["adam", "sgd"] = "adam"
+    momentum: float = Field(0.9, ge=0, description="SGD momentum")
+    grad_clip: float = Field(0.0, ge=0, description="max grad norm; 0 disables clipping")
+    precision: Precision = "fp32"
+    strategy: Strategy = "single"
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="auto uses CUDA when the child sees a GPU"
+    )
+    device_ids: list[int] | None = Field(
+        None, description="logical DataParallel device ids (default: all visible)"
+    )
+    seed: int = 42
+    deterministic: bool = Field(False, description="cudnn.deterministic + deterministic algorithms")
+    cudnn_benchmark: bool = False
+    num_workers: int = Field(0, ge=0, description="DataLoader worker processes")
+    checkpoint_dir: str = Field("checkpoints", description="where checkpoints are written")
+    resume: str = Field(
+        "auto",
+        description="auto: continue from the latest checkpoint in checkpoint_dir; "
+        "never: start fresh; or a checkpoint file path",
+    )
+    dist_timeout_s: float = Field(300.0, gt=0, description="collective/rendezvous timeout")
+    max_steps_per_epoch: int = Field(0, ge=0, description="cap on steps per epoch; 0 = no cap")
+
+    @field_validator("model")
+    @classmethod
+    def _known_model(cls, v: str) -> str:
+        if v not in MODELS:
+            raise ValueError(f"unknown model {v!r}; choose one of {', '.join(MODELS)}")
+        return v
+
+    @field_validator("dataset")
+    @classmethod
+    def _known_dataset(cls, v: str) -> str:
+        if v.startswith("imagefolder:"):
+            if not v.split(":", 1)[1]:
+                raise ValueError("dataset 'imagefolder:' needs a path, e.g. imagefolder:/data/pets")
+            return v
+        if v not in BUILTIN_DATASETS:
+            raise ValueError(
+                f"unknown dataset {v!r}; choose one of {', '.join(BUILTIN_DATASETS)} "
+                "or imagefolder:<path>"
+            )
+        return v
+
+    @field_validator("epochs", "batch_size")
+    @classmethod
+    def _positive_int(cls, v: int, info) -> int:
+        if v <= 0:
+            raise ValueError(f"{info.field_name} must be a positive integer, got {v}")
+        return v
+
+    @field_validator("lr")
+    @classmethod
+    def _positive_lr(cls, v: float) -> float:
+        if not v > 0:
+            raise ValueError(f"lr must be > 0, got {v}; try 1e-3 for adam or 0.1 for sgd")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "TrainConfig":
+        if self.precision == "fp16" and self.device == "cpu":
+            raise ValueError(
+                "precision 'fp16' needs a CUDA device but device is 'cpu'; "
+                "use precision 'bf16' or 'fp32' on CPU"
+            )
+        if self.device_ids is not None and self.strategy != "dp":
+            raise ValueError("device_ids applies to strategy 'dp' only; leave it unset")
+        return self
+
+    # --- JSON round trip -------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return self.model_dump(mode="json")
+
+    def to_json(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=2))
+        return path
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "TrainConfig":
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"config file {str(path)!r} does not exist")
+        return cls.model_validate(json.loads(path.read_text()))

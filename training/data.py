@@ -1,0 +1,193 @@
+"""Datasets by name, a deterministic train/validation split, and fast loaders.
+
+Small datasets (digits, synthetic, mnist, fashion-mnist, cifar10) are held in memory as one
+tensor already shaped for the model, and batches are gathered by index in one shot: no
+per-sample Python, no collate. `imagefolder:<path>` stays lazy (torchvision ImageFolder).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, Subset
+
+from .config import TrainConfig
+from .models import input_shape_for
+
+IMAGEFOLDER_SIZE = 64  # square side images from an ImageFolder are resized to
+
+
+class DatasetError(ValueError):
+    """A dataset cannot be found or read; the message says where it looked and what to do."""
+
+
+@dataclass
+class DataBundle:
+    train: Dataset
+    val: Dataset
+    num_classes: int
+    input_shape: tuple[int, int, int]
+    fingerprint: dict = field(default_factory=dict)
+
+
+class TensorData(Dataset):
+    """In-memory samples; indexing with a list of indices returns a whole batch."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor):
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, idx):
+        return self.x[idx], self.y[idx]
+
+
+# --- raw sources: each returns (images N,C,H,W float in [0,1], labels N int64, classes) ---
+
+
+def _digits(cfg: TrainConfig):
+    from sklearn.datasets import load_digits  # ships its data inside the package: offline
+
+    d = load_digits()
+    x = torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    return x, torch.tensor(d.target, dtype=torch.int64), 10
+
+
+def _synthetic(cfg: TrainConfig):
+    # Learnable on purpose: labels are the argmax of a fixed random projection.
+    g = torch.Generator().manual_seed(1234)
+    x = torch.rand(cfg.synthetic_size, 1, 28, 28, generator=g)
+    w = torch.randn(28 * 28, 10, generator=g)
+    y = ((x.flatten(1) - 0.5) @ w).argmax(1)
+    return x, y, 10
+
+
+def _torchvision(cfg: TrainConfig):
+    from torchvision import datasets
+
+    cls = {"mnist": datasets.MNIST, "fashion-mnist": datasets.FashionMNIST,
+           "cifar10": datasets.CIFAR10}[cfg.dataset]
+    root = Path(cfg.data_root).expanduser()
+    try:
+        ds = cls(root=str(root), train=True, download=cfg.download)
+    except RuntimeError as e:
+        raise DatasetError(
+            f"dataset {cfg.dataset!r} not found under {str(root.resolve())!r} ({e}). "
+            f"Put the torchvision files there, or set download=True on a machine with "
+            f"internet access, or use the offline dataset 'digits'."
+        ) from None
+    data = torch.as_tensor(ds.data)
+    x = data.unsqueeze(1) if data.ndim == 3 else data.permute(0, 3, 1, 2)
+    return x.float() / 255.0, torch.as_tensor(ds.targets, dtype=torch.int64), len(ds.classes)
+
+
+SOURCES = {"digits": _digits, "synthetic": _synthetic, "mnist": _torchvision,
+           "fashion-mnist": _torchvision, "cifar10": _torchvision}
+
+
+def fit_images(x: torch.Tensor, shape: tuple[int, int, int]) -> torch.Tensor:
+    """Convert N,C,H,W images in [0,1] to the model's channels and size, then normalise."""
+    c, h, w = shape
+    if x.shape[1] != c:
+        x = x.mean(1, keepdim=True) if c == 1 else x.expand(-1, c, -1, -1)
+    if x.shape[2:] != (h, w):
+        x = F.interpolate(x, size=(h, w), mode="bilinear", align_corners=False, antialias=True)
+    return ((x - 0.5) / 0.5).contiguous()
+
+
+def _fingerprint(name: str, *tensors: torch.Tensor) -> dict:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.contiguous().numpy().tobytes())
+    return {"name": name, "num_samples": len(tensors[-1]), "sha256": h.hexdigest()}
+
+
+def split_indices(n: int, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """Deterministic split: the same (n, fraction, seed) always gives the same halves."""
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    n_val = max(1, int(round(n * val_fraction)))
+    return perm[n_val:], perm[:n_val]
+
+
+def load_data(cfg: TrainConfig) -> DataBundle:
+    """Load, split and shape the dataset named in `cfg` for `cfg.model`."""
+    if cfg.dataset.startswith("imagefolder:"):
+        return _load_imagefolder(cfg)
+    x, y, num_classes = SOURCES[cfg.dataset](cfg)
+    fp = _fingerprint(cfg.dataset, x, y)
+    shape = input_shape_for(cfg.model, tuple(x.shape[1:]))
+    x = fit_images(x, shape)
+    train_idx, val_idx = split_indices(len(y), cfg.val_fraction, cfg.split_seed)
+    train = TensorData(x[train_idx], y[train_idx])
+    val = TensorData(x[val_idx], y[val_idx])
+    return DataBundle(train, val, num_classes, shape, fp)
+
+
+def _load_imagefolder(cfg: TrainConfig) -> DataBundle:
+    from torchvision import datasets, transforms
+
+    root = Path(cfg.dataset.split(":", 1)[1]).expanduser()
+    if not root.is_dir():
+        raise DatasetError(
+            f"imagefolder path {str(root)!r} is not a folder; expected <path>/<class>/<image>"
+        )
+    probe = datasets.ImageFolder(str(root))
+    shape = input_shape_for(cfg.model, (3, IMAGEFOLDER_SIZE, IMAGEFOLDER_SIZE))
+    c, h, w = shape
+    tf = transforms.Compose([
+        transforms.Grayscale(1) if c == 1 else transforms.Lambda(lambda im: im.convert("RGB")),
+        transforms.Resize((h, w)),
+        transforms.ToTensor(),
+        transforms.Normalize([0.5] * c, [0.5] * c),
+    ])
+    ds = datasets.ImageFolder(str(root), transform=tf)
+    h_ = hashlib.sha256()
+    for p, label in probe.samples:  # paths, sizes and labels: cheap and catches edits
+        h_.update(f"{Path(p).relative_to(root)}:{Path(p).stat().st_size}:{label}".encode())
+    fp = {"name": cfg.dataset, "num_samples": len(ds), "sha256": h_.hexdigest()}
+    train_idx, val_idx = split_indices(len(ds), cfg.val_fraction, cfg.split_seed)
+    return DataBundle(Subset(ds, train_idx), Subset(ds, val_idx), len(ds.classes), shape, fp)
+
+
+# --- loaders -------------------------------------------------------------------------
+
+
+def _loader(ds: Dataset, sampler, batch_size: int, cfg: TrainConfig, pin: bool) -> DataLoader:
+    common = dict(num_workers=cfg.num_workers, pin_memory=pin,
+                  persistent_workers=cfg.num_workers > 0)
+    if isinstance(ds, TensorData):
+        # One __getitem__ per batch: the sampler yields lists of indices.
+        return DataLoader(ds, sampler=BatchSampler(sampler, batch_size, drop_last=False),
+                          batch_size=None, **common)
+    return DataLoader(ds, sampler=sampler, batch_size=batch_size, **common)
+
+
+def train_loader(ds: Dataset, cfg: TrainConfig, rank: int, world: int, pin: bool):
+    """Shuffled loader whose order depends only on (seed, epoch): resumable, rank-sharded.
+
+    Returns (loader, sampler); call sampler.set_epoch(epoch) before every epoch.
+    """
+    sampler = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed)
+    return _loader(ds, sampler, cfg.batch_size // world, cfg, pin), sampler
+
+
+class _Shard(torch.utils.data.Sampler):
+    """Every `world`-th index from `rank`: each sample lands on exactly one rank, no padding."""
+
+    def __init__(self, n: int, rank: int, world: int):
+        self.idx = list(range(rank, n, world))
+
+    def __iter__(self):
+        return iter(self.idx)
+
+    def __len__(self) -> int:
+        return len(self.idx)
+
+
+def val_loader(ds: Dataset, cfg: TrainConfig, rank: int, world: int, pin: bool) -> DataLoader:
+    return _loader(ds, _Shard(len(ds), rank, world), max(1, cfg.batch_size // world), cfg, pin)

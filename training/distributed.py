@@ -1,0 +1,96 @@
+"""Process-group setup from the environment torchrun sets; never from arguments."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .config import TrainConfig
+
+
+class LaunchError(RuntimeError):
+    """The process was started in a way that cannot work; the message says how to start it."""
+
+
+@dataclass
+class DistContext:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    strategy: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.strategy == "ddp"
+
+
+def _pick_device(cfg: TrainConfig, local_rank: int) -> torch.device:
+    cuda = torch.cuda.is_available()
+    if cfg.device == "cuda" and not cuda:
+        raise LaunchError(
+            "device 'cuda' was asked for but this process sees no GPU "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); "
+            "use device 'cpu' or 'auto'"
+        )
+    if not (cuda and cfg.device != "cpu"):
+        if cfg.precision == "fp16":
+            raise LaunchError("precision 'fp16' needs CUDA and this run is on CPU; use 'bf16' or 'fp32'")
+        return torch.device("cpu")
+    if cfg.strategy != "ddp":
+        return torch.device("cuda", 0)
+    if local_rank >= torch.cuda.device_count():
+        raise LaunchError(
+            f"local rank {local_rank} has no GPU: this process sees {torch.cuda.device_count()}; "
+            "start torchrun with --nproc_per_node at most the number of visible GPUs"
+        )
+    torch.cuda.set_device(local_rank)  # before anything else touches CUDA
+    return torch.device("cuda", local_rank)
+
+
+def setup(cfg: TrainConfig) -> DistContext:
+    """Read ranks from the environment, pick the device, init the process group for DDP."""
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    rank = int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if cfg.strategy == "ddp" and not under_torchrun:
+        raise LaunchError(
+            "strategy 'ddp' needs torchrun: torchrun --nproc_per_node=N -m training --config CFG"
+        )
+    if cfg.strategy != "ddp" and world > 1:
+        raise LaunchError(
+            f"strategy {cfg.strategy!r} runs as one process but WORLD_SIZE={world}; "
+            "use strategy 'ddp' under torchrun, or run with python -m training"
+        )
+    if cfg.strategy == "ddp" and cfg.batch_size % world:
+        raise LaunchError(
+            f"global batch_size {cfg.batch_size} does not split evenly over {world} processes; "
+            f"use a multiple of {world}, e.g. {cfg.batch_size - cfg.batch_size % world or world}"
+        )
+    device = _pick_device(cfg, local_rank)
+    if cfg.strategy == "ddp":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(seconds=cfg.dist_timeout_s))
+    return DistContext(rank, local_rank, world, device, cfg.strategy)
+
+
+def all_reduce_sum(values: list[float], ctx: DistContext) -> list[float]:
+    """Sum values over all ranks (identity for a single process)."""
+    t = torch.tensor(values, dtype=torch.float64, device=ctx.device)
+    if ctx.distributed:
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def teardown() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

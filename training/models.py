@@ -1,0 +1,59 @@
+"""Models by name. `mlp` is exactly the seeds' SimpleNN, so its checkpoints load into it."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+MIN_SIDE = 28  # small images (8x8 digits) are upsampled to this side
+
+
+class SimpleNN(nn.Module):
+    """The seeds' model: Linear(784, 256) - ReLU - Linear(256, 10)."""
+
+    def __init__(self, num_classes: int = 10):
+        super().__init__()
+        self.fc1 = nn.Linear(784, 256)
+        self.relu = nn.ReLU()
+        self.fc2 = nn.Linear(256, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.relu(self.fc1(x.flatten(1))))
+
+
+class SmallCNN(nn.Module):
+    """Two conv blocks and a linear head; adaptive pooling makes it size-agnostic."""
+
+    def __init__(self, in_channels: int = 1, num_classes: int = 10):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(in_channels, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(32, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(4),
+        )
+        self.head = nn.Linear(64 * 4 * 4, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x).flatten(1))
+
+
+def input_shape_for(model: str, native: tuple[int, ...]) -> tuple[int, int, int]:
+    """The (C, H, W) the model takes, given the dataset's native image shape."""
+    if model == "mlp":
+        return (1, 28, 28)
+    c, h, w = native
+    side = max(MIN_SIDE, h, w)
+    return (3 if model == "resnet18" else c, side, side)
+
+
+def build_model(name: str, num_classes: int, input_shape: tuple[int, int, int]) -> nn.Module:
+    if name == "mlp":
+        return SimpleNN(num_classes)
+    if name == "cnn":
+        return SmallCNN(input_shape[0], num_classes)
+    if name == "resnet18":
+        from torchvision.models import resnet18
+
+        return resnet18(weights=None, num_classes=num_classes)  # no pretrained download
+    raise ValueError(f"unknown model {name!r}; choose mlp, cnn or resnet18")

@@ -1,0 +1,247 @@
+"""The training loop: single device, nn.DataParallel, or DDP (one process per device)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import sys
+import time
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from . import data as data_mod
+from .checkpoint import CheckpointError, CheckpointStore, load_file, load_model_state
+from .checkpoint import rng_state, set_rng_state, unwrap
+from .config import TrainConfig
+from .distributed import DistContext, LaunchError, all_reduce_sum
+from .models import build_model
+from .tracking import MetricsSink
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def seed_everything(seed: int) -> None:
+    """Python, numpy, torch and every CUDA device (manual_seed covers all devices)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def set_determinism(cfg: TrainConfig) -> None:
+    if cfg.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # required by cuBLAS
+        torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = cfg.deterministic
+    torch.backends.cudnn.benchmark = cfg.cudnn_benchmark and not cfg.deterministic
+
+
+def fault_hook(spec: str | None):
+    """Test-only fault injection: GPUFLOW_FAULT='rank=1,epoch=2,restart=0[,step=N]'.
+
+    Returns f(rank, epoch, step) that kills the process at that point, or None.
+    """
+    if not spec:
+        return None
+    want = {k: int(v) for k, v in (kv.split("=") for kv in spec.split(","))}
+
+    def maybe_die(rank: int, epoch: int, step: int) -> None:
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+        if (rank, epoch, restart, step) == (want.get("rank", 0), want.get("epoch", 1),
+                                            want.get("restart", 0), want.get("step", 1)):
+            print(f"[rank {rank}] injected fault at epoch {epoch} step {step}", flush=True)
+            os._exit(17)
+
+    return maybe_die
+
+
+class Trainer:
+    """Builds model, data and optimizer from a config and trains from where it left off."""
+
+    def __init__(self, cfg: TrainConfig, ctx: DistContext, bundle: data_mod.DataBundle):
+        self.cfg, self.ctx, self.bundle = cfg, ctx, bundle
+        self.device = ctx.device
+        self.pin = self.device.type == "cuda"
+        self.model = self._wrap(build_model(cfg.model, bundle.num_classes, bundle.input_shape))
+        self.optimizer = self._make_optimizer()
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.precision == "fp16")
+        self.loss_fn = nn.CrossEntropyLoss()
+        world = ctx.world_size
+        self.train_loader, self.sampler = data_mod.train_loader(bundle.train, cfg, ctx.rank, world, self.pin)
+        self.val_loader = data_mod.val_loader(bundle.val, cfg, ctx.rank, world, self.pin)
+        self.store = CheckpointStore(cfg.checkpoint_dir)
+        self.sink = MetricsSink(ctx.is_main)
+        self.fault = fault_hook(os.environ.get("GPUFLOW_FAULT"))
+        self.epochs_run = 0
+        self.history: list[dict] = []
+        self.last_checkpoint: str | None = None
+        self.resumed_from: str | None = None
+        self._resume()
+
+    # --- construction -----------------------------------------------------------------
+    def _wrap(self, model: nn.Module) -> nn.Module:
+        if self.ctx.strategy == "ddp":
+            model = model.to(self.device)
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            return DDP(model, device_ids=ids, output_device=ids[0] if ids else None)
+        if self.ctx.strategy == "dp":
+            return self._wrap_dp(model)
+        return model.to(self.device)
+
+    def _wrap_dp(self, model: nn.Module) -> nn.Module:
+        if self.device.type != "cuda":
+            return nn.DataParallel(model)  # on CPU it runs the module as is
+        visible = torch.cuda.device_count()
+        ids = self.cfg.device_ids or list(range(visible))
+        bad = [i for i in ids if not 0 <= i < visible]
+        if bad:
+            raise LaunchError(
+                f"DataParallel device_ids {ids} include {bad}, but this process sees logical "
+                f"ids 0..{visible - 1} (CUDA_VISIBLE_DEVICES="
+                f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}); logical ids always start at 0"
+            )
+        if self.cfg.batch_size < len(ids):
+            raise LaunchError(
+                f"batch_size {self.cfg.batch_size} is smaller than the {len(ids)} DataParallel "
+                f"devices; use batch_size >= {len(ids)}"
+            )
+        model = model.to(torch.device("cuda", ids[0]))  # must live on device_ids[0] first
+        return nn.DataParallel(model, device_ids=ids, output_device=ids[0])
+
+    def _make_optimizer(self) -> torch.optim.Optimizer:
+        params = self.model.parameters()
+        if self.cfg.optimizer == "sgd":
+            return torch.optim.SGD(params, lr=self.cfg.lr, momentum=self.cfg.momentum)
+        return torch.optim.Adam(params, lr=self.cfg.lr)
+
+    def _autocast(self):
+        if self.cfg.precision == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=DTYPES[self.cfg.precision])
+
+    # --- checkpoints --------------------------------------------------------------------
+    def _resume(self) -> None:
+        if self.cfg.resume == "never":
+            return
+        path = self.store.latest() if self.cfg.resume == "auto" else self.cfg.resume
+        if path is None:
+            return
+        payload = load_file(path, map_location=self.device)
+        try:
+            load_model_state(self.model, payload["model"], source=f"checkpoint {str(path)!r}")
+            self.optimizer.load_state_dict(payload["optimizer"])
+            self.scaler.load_state_dict(payload["scaler"])
+            set_rng_state(payload["rng"])
+        except KeyError as e:
+            raise CheckpointError(f"checkpoint {str(path)!r} lacks {e}; it was not written by gpuflow") from None
+        self.epochs_run = int(payload["epoch"])
+        self.history = list(payload.get("history", []))
+        self.resumed_from = str(path)
+        self._say(f"resumed from {path} after epoch {self.epochs_run}")
+
+    def _save_checkpoint(self) -> None:
+        if not self.ctx.is_main:  # global rank 0 only, on every node count
+            return
+        payload = {
+            "model": unwrap(self.model).state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "epoch": self.epochs_run,
+            "rng": rng_state(),
+            "config": self.cfg.to_dict(),
+            "history": self.history,
+        }
+        self.last_checkpoint = str(self.store.save(payload, self.epochs_run))
+
+    # --- loop ---------------------------------------------------------------------------
+    def _run_batch(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        self.optimizer.zero_grad(set_to_none=True)
+        with self._autocast():
+            loss = self.loss_fn(self.model(x), y)
+        self.scaler.scale(loss).backward()
+        if self.cfg.grad_clip:
+            self.scaler.unscale_(self.optimizer)  # clip true gradients, not scaled ones
+            nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        return loss.detach()
+
+    def _batches(self, loader, desc: str):
+        if self.ctx.is_main and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            return tqdm(loader, desc=desc, leave=False, dynamic_ncols=True)
+        return loader
+
+    def _run_epoch(self, epoch: int) -> dict:
+        self.model.train()
+        self.sampler.set_epoch(epoch)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        count = 0
+        start = time.perf_counter()
+        for step, (x, y) in enumerate(self._batches(self.train_loader, f"epoch {epoch + 1}"), 1):
+            if self.fault:
+                self.fault(self.ctx.rank, epoch + 1, step)
+            x = x.to(self.device, non_blocking=self.pin)
+            y = y.to(self.device, non_blocking=self.pin)
+            loss_sum += self._run_batch(x, y).double() * len(y)  # no .item(): no sync per step
+            count += len(y)
+            if self.cfg.max_steps_per_epoch and step >= self.cfg.max_steps_per_epoch:
+                break
+        total, n = all_reduce_sum([loss_sum.item(), count], self.ctx)
+        elapsed = time.perf_counter() - start
+        return {"train_loss": total / n, "samples_per_s": n / elapsed, "epoch_time_s": elapsed}
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Validation loss and accuracy; each sample counted once whatever the world size."""
+        model = unwrap(self.model) if self.ctx.distributed else self.model
+        model.eval()
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        correct = torch.zeros((), dtype=torch.float64, device=self.device)
+        count = 0
+        for x, y in self.val_loader:
+            x, y = x.to(self.device), y.to(self.device)
+            with self._autocast():
+                out = model(x)
+            loss_sum += nn.functional.cross_entropy(out.float(), y, reduction="sum").double()
+            correct += (out.argmax(1) == y).sum().double()
+            count += len(y)
+        total, right, n = all_reduce_sum([loss_sum.item(), correct.item(), count], self.ctx)
+        return {"val_loss": total / n, "val_accuracy": right / n}
+
+    def train(self) -> dict:
+        for epoch in range(self.epochs_run, self.cfg.epochs):
+            metrics = self._run_epoch(epoch)
+            metrics.update(self.evaluate())
+            metrics["lr"] = self.optimizer.param_groups[0]["lr"]
+            self.epochs_run = epoch + 1
+            self.history.append({"epoch": self.epochs_run, **metrics})
+            self._save_checkpoint()
+            self.sink.log_epoch(self.epochs_run, metrics)
+            self._say(
+                f"epoch {self.epochs_run}/{self.cfg.epochs} train_loss {metrics['train_loss']:.4f} "
+                f"val_loss {metrics['val_loss']:.4f} val_acc {metrics['val_accuracy']:.4f} "
+                f"{metrics['samples_per_s']:.0f} samples/s"
+            )
+        return self.result()
+
+    def result(self) -> dict:
+        final = self.history[-1] if self.history else self.evaluate()
+        return {
+            "final_metrics": {k: v for k, v in final.items() if k != "epoch"},
+            "checkpoint": self.last_checkpoint or (str(self.store.latest()) if self.store.latest() else None),
+            "epochs_run": self.epochs_run,
+            "world_size": self.ctx.world_size,
+            "strategy": self.ctx.strategy,
+            "device": str(self.device),
+            "resumed_from": self.resumed_from,
+            "history": self.history,
+        }
+
+    def _say(self, msg: str) -> None:
+        if self.ctx.is_main:
+            print(f"[rank 0] {msg}", flush=True)
