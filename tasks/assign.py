@@ -1,0 +1,263 @@
+"""Device assignment: a request plus an EnvironmentReport gives a DevicePlan, or a clear error.
+
+Users name physical GPUs (nvidia-smi numbering, PCI bus order). The child process gets
+CUDA_DEVICE_ORDER=PCI_BUS_ID and CUDA_VISIBLE_DEVICES in the requested order, so inside it
+the logical ids are always 0..n-1 and logical 0 is the primary card. Nothing here touches CUDA.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import tempfile
+from pathlib import Path
+from typing import Literal
+
+from prefect import task
+from pydantic import BaseModel, Field, field_validator
+
+from .probe import EnvironmentReport, GpuInfo
+
+
+class AssignmentError(ValueError):
+    """The request cannot be met on this host; the message names the value and the fix."""
+
+
+class DeviceRequest(BaseModel):
+    gpus: str = Field(
+        "auto",
+        description="auto (all free GPUs, else CPU), cpu, a count like '2', or physical ids "
+        "in order like '3,2,0,1' (the first is the primary card; '3,' is GPU 3 alone)",
+    )
+    strategy: Literal["auto", "single", "dp", "ddp"] = "auto"
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    min_free_mb: int = Field(0, ge=0, description="skip/refuse cards with less free memory")
+    skip_busy: bool = Field(True, description="auto/count: skip cards running other processes")
+    cpu_processes: int = Field(0, ge=0, description="DDP processes on a CPU-only host (0 = auto)")
+
+    @field_validator("gpus")
+    @classmethod
+    def _form(cls, v: str) -> str:
+        v = str(v).strip().replace(" ", "")
+        if v == "0":
+            raise ValueError("gpus=0 asks for no GPU; use gpus=cpu to train on the CPU")
+        if v in ("auto", "cpu") or v.isdigit():
+            return v
+        parts = [p for p in v.split(",") if p]  # '3,' names physical GPU 3 alone
+        if not all(p.isdigit() for p in parts):
+            raise ValueError(
+                f"gpus={v!r} is not understood; use auto, cpu, a count like 2, or physical ids like 3,2"
+            )
+        dup = sorted({p for p in parts if parts.count(p) > 1})
+        if dup:
+            raise ValueError(f"gpus={v!r} names GPU {', '.join(dup)} twice; list each card once")
+        return v
+
+    def explicit_ids(self) -> list[int] | None:
+        return [int(p) for p in self.gpus.split(",") if p] if "," in self.gpus else None
+
+
+class DevicePlan(BaseModel):
+    strategy: Literal["single", "dp", "ddp"]
+    backend: Literal["nccl", "gloo"]
+    device: Literal["cpu", "cuda"]
+    nproc_per_node: int
+    physical_ids: list[int] = []
+    uuids: list[str] = []
+    logical_ids: list[int] = []
+    physical_to_logical: dict[int, int] = {}
+    primary: int | None = None
+    env: dict[str, str] = {}
+    warnings: list[str] = []
+
+    def child_environ(self, base: dict[str, str] | None = None) -> dict[str, str]:
+        """The environment a child must start with: base plus the plan's device variables."""
+        env = dict(os.environ if base is None else base)
+        env.update(self.env)
+        return env
+
+    def describe(self) -> str:
+        if self.device == "cpu":
+            return f"cpu x{self.nproc_per_node}"
+        return "gpu " + ",".join(map(str, self.physical_ids))
+
+
+def _cpu_plan(report: EnvironmentReport, req: DeviceRequest) -> DevicePlan:
+    if req.strategy == "dp":
+        raise AssignmentError("strategy 'dp' (nn.DataParallel) needs GPUs and this host has none "
+                              "usable; use strategy 'ddp' (gloo) or 'single' on CPU")
+    if req.backend == "nccl":
+        raise AssignmentError("backend 'nccl' needs GPUs and this host has none usable; use 'gloo'")
+    nproc = req.cpu_processes or (2 if report.cpu_count >= 2 else 1)
+    strategy = req.strategy if req.strategy != "auto" else ("ddp" if nproc > 1 else "single")
+    if strategy == "single":
+        nproc = 1
+    return DevicePlan(strategy=strategy, backend="gloo", device="cpu", nproc_per_node=nproc,
+                      env={"CUDA_VISIBLE_DEVICES": ""})
+
+
+def _why_not(g: GpuInfo, req: DeviceRequest, locked: set[int]) -> str | None:
+    if g.index in locked:
+        return "in use by another gpuflow run"
+    if req.skip_busy and g.processes:
+        return f"busy ({g.processes} other processes)"
+    if g.memory_free_mb < req.min_free_mb:
+        return f"{g.memory_free_mb} MiB free < min_free_mb {req.min_free_mb}"
+    return None
+
+
+def _choose(report: EnvironmentReport, req: DeviceRequest, locked: set[int]) -> list[GpuInfo]:
+    by_id = {g.index: g for g in report.gpus}
+    visible = report.visible_physical_ids()
+    ids = req.explicit_ids()
+    if ids is not None:
+        return [_check_explicit(i, by_id, visible, report, req, locked) for i in ids]
+    pool = [by_id[i] for i in visible]
+    free = [g for g in pool if _why_not(g, req, locked) is None]
+    free.sort(key=lambda g: (-g.memory_free_mb, g.index))  # most free memory first
+    want = len(free) if req.gpus == "auto" else int(req.gpus)
+    if want > len(pool):
+        raise AssignmentError(
+            f"gpus={req.gpus} asks for {want} GPUs but this process can use {len(pool)} "
+            f"(physical {', '.join(map(str, visible)) or 'none'}); ask for at most {len(pool)}")
+    if want == 0 or len(free) < want:
+        reasons = "; ".join(f"GPU {g.index}: {_why_not(g, req, locked)}" for g in pool if g not in free)
+        raise AssignmentError(
+            f"gpus={req.gpus} needs {want or 'at least one'} free GPU(s) but only {len(free)} "
+            f"are free ({reasons}); wait, lower min_free_mb, set skip_busy=false, or use gpus=cpu")
+    return free[:want]
+
+
+def _check_explicit(i: int, by_id: dict, visible: list[int], report: EnvironmentReport,
+                    req: DeviceRequest, locked: set[int]) -> GpuInfo:
+    if i not in by_id:
+        present = ", ".join(map(str, sorted(by_id))) or "none"
+        raise AssignmentError(f"physical GPU {i} does not exist on {report.hostname}; "
+                              f"present: {present} (nvidia-smi numbering)")
+    if i not in visible:
+        raise AssignmentError(
+            f"physical GPU {i} is hidden by the inherited CUDA_VISIBLE_DEVICES="
+            f"{report.cuda_visible_devices!r}; usable here: {', '.join(map(str, visible)) or 'none'}. "
+            "Pick one of those or unset CUDA_VISIBLE_DEVICES before starting gpuflow")
+    g = by_id[i]
+    if i in locked:
+        raise AssignmentError(f"physical GPU {i} is in use by another gpuflow run; wait for it "
+                              "or pick another card")
+    if g.memory_free_mb < req.min_free_mb:
+        raise AssignmentError(f"physical GPU {i} has {g.memory_free_mb} MiB free, below "
+                              f"min_free_mb={req.min_free_mb}; pick another card or lower it")
+    return g
+
+
+def assign_devices_for(report: EnvironmentReport, req: DeviceRequest, batch_size: int,
+                       precision: str = "fp32", locked: set[int] = frozenset()) -> DevicePlan:
+    """Pure assignment: validate everything that can be checked before launch."""
+    no_gpu = not report.visible_physical_ids()
+    if req.gpus == "cpu" or (req.gpus == "auto" and no_gpu):
+        plan = _cpu_plan(report, req)
+    else:
+        if no_gpu:
+            raise AssignmentError(
+                f"gpus={req.gpus} asks for GPUs but none are usable on {report.hostname} "
+                f"(present: {', '.join(str(g.index) for g in report.gpus) or 'none'}, "
+                f"CUDA_VISIBLE_DEVICES={report.cuda_visible_devices!r}); use gpus=cpu")
+        plan = _gpu_plan(report, req, _choose(report, req, set(locked)))
+    _check_batch_and_precision(plan, report, batch_size, precision)
+    return plan
+
+
+def _gpu_plan(report: EnvironmentReport, req: DeviceRequest, cards: list[GpuInfo]) -> DevicePlan:
+    n = len(cards)
+    strategy = req.strategy if req.strategy != "auto" else ("single" if n == 1 else "ddp")
+    if strategy == "single" and n > 1:
+        raise AssignmentError(f"strategy 'single' uses one GPU but gpus={req.gpus} gives {n}; "
+                              "use strategy dp or ddp, or ask for one card")
+    ids = [g.index for g in cards]
+    warnings = [f"GPU {g.index} already runs {g.processes} other process(es)" for g in cards if g.processes]
+    return DevicePlan(
+        strategy=strategy, backend="gloo" if req.backend == "gloo" else "nccl", device="cuda",
+        nproc_per_node=n if strategy == "ddp" else 1, physical_ids=ids,
+        uuids=[g.uuid for g in cards], logical_ids=list(range(n)),
+        physical_to_logical={p: l for l, p in enumerate(ids)}, primary=ids[0],
+        env={"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": ",".join(map(str, ids))},
+        warnings=warnings,
+    )
+
+
+def _check_batch_and_precision(plan: DevicePlan, report: EnvironmentReport, batch: int,
+                               precision: str) -> None:
+    n = len(plan.physical_ids) if plan.device == "cuda" else plan.nproc_per_node
+    if plan.strategy in ("dp", "ddp") and batch < n:
+        raise AssignmentError(f"global batch_size {batch} is smaller than the {n} devices of this "
+                              f"{plan.strategy} plan; use batch_size >= {n} or fewer devices")
+    if plan.strategy == "ddp" and batch % plan.nproc_per_node:
+        raise AssignmentError(f"global batch_size {batch} does not split evenly over "
+                              f"{plan.nproc_per_node} processes; use a multiple of {plan.nproc_per_node}")
+    if precision == "fp16" and plan.device == "cpu":
+        raise AssignmentError("precision 'fp16' needs CUDA and this plan runs on CPU; use 'bf16' or 'fp32'")
+    if precision == "bf16" and plan.device == "cuda":
+        old = [g for g in report.gpus if g.index in plan.physical_ids and not g.bf16]
+        if old:
+            raise AssignmentError(f"precision 'bf16' needs compute capability >= 8.0 but GPU "
+                                  f"{old[0].index} ({old[0].name}) has {old[0].compute_capability}; "
+                                  "use 'fp16' or 'fp32'")
+
+
+# --- one run per card at a time --------------------------------------------------------
+
+
+def lock_dir() -> Path:
+    return Path(os.environ.get("GPUFLOW_LOCK_DIR", Path(tempfile.gettempdir()) / "gpuflow-locks"))
+
+
+class CardLocks:
+    """Exclusive flock per card; the kernel drops it when the holder exits, even on a crash."""
+
+    def __init__(self, folder: Path | None = None):
+        self.folder = folder or lock_dir()
+        self._fds: list[int] = []
+
+    def _path(self, uuid: str) -> Path:
+        return self.folder / f"{uuid.replace('/', '_')}.lock"
+
+    def held_elsewhere(self, report: EnvironmentReport) -> set[int]:
+        """Physical ids whose lock another process holds right now."""
+        out = set()
+        for g in report.gpus:
+            if self.try_lock(g.uuid):
+                self.release()
+            else:
+                out.add(g.index)
+        return out
+
+    def try_lock(self, uuid: str) -> bool:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self._path(uuid), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._fds.append(fd)
+        return True
+
+    def acquire(self, plan: DevicePlan) -> None:
+        for uuid, pid in zip(plan.uuids, plan.physical_ids):
+            if not self.try_lock(uuid):
+                self.release()
+                raise AssignmentError(f"physical GPU {pid} was just taken by another gpuflow run; retry")
+
+    def release(self) -> None:
+        for fd in self._fds:
+            os.close(fd)  # closing the descriptor drops the flock
+        self._fds.clear()
+
+
+@task(name="assign-devices")
+def assign_devices(report: EnvironmentReport, request: DeviceRequest, batch_size: int,
+                   precision: str = "fp32") -> DevicePlan:
+    """Turn a device request into a validated DevicePlan (cards locked by others are avoided)."""
+    return assign_devices_for(report, request, batch_size, precision,
+                              locked=CardLocks().held_elsewhere(report))

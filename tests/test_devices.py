@@ -1,0 +1,239 @@
+"""Probe and device assignment: table-driven from fake hosts, plus real child processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from types import SimpleNamespace
+
+import pytest
+from pydantic import ValidationError
+
+from tasks.assign import AssignmentError, CardLocks, DeviceRequest, assign_devices_for
+from tasks.probe import EnvironmentReport, GpuInfo, read_environment
+from tests.helpers import ROOT
+
+
+def host(n: int, busy=(), free=80_000, cvd=None, cc="9.0", cpus=16) -> EnvironmentReport:
+    gpus = [GpuInfo(index=i, uuid=f"GPU-{i:04d}", pci_bus_id=f"00000000:{0x10 + i:02X}:00.0",
+                    name="NVIDIA H100", compute_capability=cc, memory_total_mb=81_559,
+                    memory_free_mb=free - 1000 * i, processes=1 if i in busy else 0)
+               for i in range(n)]
+    return EnvironmentReport(hostname="fake", cpu_count=cpus, source="nvml", gpus=gpus,
+                             cuda_visible_devices=cvd)
+
+
+FOUR, EIGHT_BUSY0, INHERITED, CPU = host(4), host(8, busy={0}), host(4, cvd="1,2"), host(0, cpus=2)
+
+PLANS = [  # (host, request, batch, precision, expected plan fields)
+    ("seed: 3,2,0,1 with DP", FOUR, dict(gpus="3,2,0,1", strategy="dp"), 64, "fp32",
+     dict(strategy="dp", nproc_per_node=1, physical_ids=[3, 2, 0, 1], logical_ids=[0, 1, 2, 3],
+          primary=3, physical_to_logical={3: 0, 2: 1, 0: 2, 1: 3}, backend="nccl",
+          env={"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "3,2,0,1"})),
+    ("auto takes every free card as DDP", FOUR, dict(), 64, "bf16",
+     dict(strategy="ddp", nproc_per_node=4, physical_ids=[0, 1, 2, 3], backend="nccl")),
+    ("a count picks the most free memory", FOUR, dict(gpus="2"), 64, "fp16",
+     dict(strategy="ddp", physical_ids=[0, 1], primary=0)),
+    ("seed: card 0 busy, use 2 and 3", EIGHT_BUSY0, dict(gpus="2,3", strategy="dp"), 64, "fp32",
+     dict(strategy="dp", physical_ids=[2, 3], logical_ids=[0, 1], primary=2,
+          env={"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "2,3"})),
+    ("card 0 busy: auto skips it", EIGHT_BUSY0, dict(), 56, "fp32",
+     dict(physical_ids=[1, 2, 3, 4, 5, 6, 7], nproc_per_node=7)),
+    ("busy card allowed when skip_busy is off", EIGHT_BUSY0, dict(gpus="1", skip_busy=False), 8,
+     "fp32", dict(strategy="single", physical_ids=[0])),
+    ("inherited CUDA_VISIBLE_DEVICES=1,2 limits auto", INHERITED, dict(), 64, "fp32",
+     dict(physical_ids=[1, 2], env={"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "1,2"})),
+    ("one named card", FOUR, dict(gpus="3,"), 8, "fp32",
+     dict(strategy="single", physical_ids=[3], primary=3, nproc_per_node=1)),
+    ("CPU host: DDP over gloo with 2 processes", CPU, dict(), 64, "bf16",
+     dict(strategy="ddp", backend="gloo", device="cpu", nproc_per_node=2, physical_ids=[],
+          env={"CUDA_VISIBLE_DEVICES": ""})),
+    ("CPU host: single", CPU, dict(strategy="single"), 64, "fp32",
+     dict(strategy="single", nproc_per_node=1, device="cpu")),
+    ("one-core CPU host: single", host(0, cpus=1), dict(), 64, "fp32",
+     dict(strategy="single", nproc_per_node=1)),
+]
+
+
+@pytest.mark.parametrize("name,report,req,batch,precision,expected", PLANS, ids=[p[0] for p in PLANS])
+def test_plan(name, report, req, batch, precision, expected):
+    plan = assign_devices_for(report, DeviceRequest(**req), batch, precision)
+    for key, value in expected.items():
+        assert getattr(plan, key) == value, key
+
+
+ERRORS = [  # (host, request, batch, precision, locked, exact message fragment)
+    ("id not present", FOUR, dict(gpus="5,1"), 64, "fp32", set(),
+     "physical GPU 5 does not exist on fake; present: 0, 1, 2, 3"),
+    ("id hidden by inherited CUDA_VISIBLE_DEVICES", INHERITED, dict(gpus="3,"), 64, "fp32", set(),
+     "physical GPU 3 is hidden by the inherited CUDA_VISIBLE_DEVICES='1,2'; usable here: 1, 2"),
+    ("more GPUs than free", EIGHT_BUSY0, dict(gpus="8"), 64, "fp32", set(),
+     "needs 8 free GPU(s) but only 7 are free (GPU 0: busy (1 other processes))"),
+    ("more GPUs than visible", INHERITED, dict(gpus="3"), 64, "fp32", set(),
+     "asks for 3 GPUs but this process can use 2 (physical 1, 2)"),
+    ("nccl without GPUs", CPU, dict(backend="nccl"), 64, "fp32", set(),
+     "backend 'nccl' needs GPUs"),
+    ("DP without GPUs", CPU, dict(strategy="dp"), 64, "fp32", set(),
+     "strategy 'dp' (nn.DataParallel) needs GPUs"),
+    ("GPUs asked on CPU host", CPU, dict(gpus="2"), 64, "fp32", set(),
+     "gpus=2 asks for GPUs but none are usable on fake"),
+    ("DP batch smaller than devices", FOUR, dict(gpus="3,2,0,1", strategy="dp"), 2, "fp32", set(),
+     "global batch_size 2 is smaller than the 4 devices of this dp plan"),
+    ("DDP batch smaller than devices", FOUR, dict(), 3, "fp32", set(),
+     "global batch_size 3 is smaller than the 4 devices of this ddp plan"),
+    ("DDP batch not divisible", FOUR, dict(), 6, "fp32", set(),
+     "global batch_size 6 does not split evenly over 4 processes"),
+    ("fp16 without CUDA", CPU, dict(), 64, "fp16", set(), "precision 'fp16' needs CUDA"),
+    ("bf16 on a pre-Ampere card", host(2, cc="7.0"), dict(), 64, "bf16", set(),
+     "precision 'bf16' needs compute capability >= 8.0 but GPU 0 (NVIDIA H100) has 7.0"),
+    ("single with several cards", FOUR, dict(gpus="0,1", strategy="single"), 64, "fp32", set(),
+     "strategy 'single' uses one GPU but gpus=0,1 gives 2"),
+    ("card locked by another run", FOUR, dict(gpus="1,2"), 64, "fp32", {1},
+     "physical GPU 1 is in use by another gpuflow run"),
+    ("too little free memory", FOUR, dict(gpus="3,", min_free_mb=79_000), 64, "fp32", set(),
+     "physical GPU 3 has 77000 MiB free, below min_free_mb=79000"),
+]
+
+
+@pytest.mark.parametrize("name,report,req,batch,precision,locked,message", ERRORS,
+                         ids=[e[0] for e in ERRORS])
+def test_assignment_error(name, report, req, batch, precision, locked, message):
+    with pytest.raises(AssignmentError) as err:
+        assign_devices_for(report, DeviceRequest(**req), batch, precision, locked=locked)
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize("gpus,message", [
+    ("1,1", "names GPU 1 twice"), ("0", "use gpus=cpu"), ("two", "is not understood")])
+def test_bad_gpu_request_forms(gpus, message):
+    with pytest.raises(ValidationError, match=message):
+        DeviceRequest(gpus=gpus)
+
+
+def test_auto_avoids_cards_locked_by_another_run():
+    plan = assign_devices_for(FOUR, DeviceRequest(), 64, locked={0, 2})
+    assert plan.physical_ids == [1, 3]
+
+
+def test_card_locks_exclude_each_other_and_die_with_their_holder(tmp_path):
+    plan = assign_devices_for(FOUR, DeviceRequest(gpus="3,2"), 64)
+    a, b = CardLocks(tmp_path), CardLocks(tmp_path)
+    a.acquire(plan)
+    assert b.held_elsewhere(FOUR) == {2, 3}
+    with pytest.raises(AssignmentError, match="just taken"):
+        b.acquire(plan)
+    a.release()
+    assert b.held_elsewhere(FOUR) == set()
+    # a holder that is killed (no cleanup at all) releases its cards
+    code = textwrap.dedent(f"""
+        import sys, time; sys.path.insert(0, {str(ROOT)!r})
+        from pathlib import Path
+        from tasks.assign import CardLocks
+        CardLocks(Path({str(tmp_path)!r})).try_lock("GPU-0001"); print("held", flush=True); time.sleep(60)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    assert b.held_elsewhere(FOUR) == {1}
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert b.held_elsewhere(FOUR) == set()
+
+
+CHILD = ("import json, os, torch; print(json.dumps({'cvd': os.environ.get('CUDA_VISIBLE_DEVICES'),"
+         " 'order': os.environ.get('CUDA_DEVICE_ORDER'), 'count': torch.cuda.device_count()}))")
+
+
+def test_child_process_receives_the_plan():
+    plan = assign_devices_for(FOUR, DeviceRequest(gpus="3,1", strategy="dp"), 64)
+    out = subprocess.run([sys.executable, "-c", CHILD], env=plan.child_environ(),
+                         capture_output=True, text=True, check=True).stdout
+    seen = json.loads(out)
+    assert seen["cvd"] == "3,1" and seen["order"] == "PCI_BUS_ID"
+    if not read_environment(with_torch=False).gpus:
+        assert seen["count"] == 0  # no such cards here: CUDA sees none
+
+
+@pytest.mark.gpu
+def test_child_sees_exactly_the_assigned_real_gpu():
+    report = read_environment()
+    plan = assign_devices_for(report, DeviceRequest(gpus=f"{report.gpus[-1].index},"), 8)
+    seen = json.loads(subprocess.run([sys.executable, "-c", CHILD], env=plan.child_environ(),
+                                     capture_output=True, text=True, check=True).stdout)
+    assert seen["count"] == 1 and seen["cvd"] == str(report.gpus[-1].index)
+
+
+# --- probe --------------------------------------------------------------------------
+
+
+def test_probe_on_this_host_never_raises_and_never_initialises_cuda(monkeypatch):
+    import torch
+
+    monkeypatch.setenv("GPUFLOW_TEST_SECRET", "hunter2-do-not-log")
+    report = read_environment()
+    assert report.torch_version == torch.__version__
+    assert report.backends.get("gloo") is True
+    assert not torch.cuda.is_initialized()
+    assert "hunter2" not in report.model_dump_json()
+    if not torch.cuda.is_available():
+        assert report.gpus == [] and report.source in ("none", "nvidia-smi")
+
+
+def _fake_nvml(bus_ids, procs=None):
+    handles = list(range(len(bus_ids)))
+    ns = SimpleNamespace(
+        nvmlInit=lambda: None, nvmlShutdown=lambda: None,
+        nvmlDeviceGetCount=lambda: len(bus_ids), nvmlDeviceGetHandleByIndex=lambda i: handles[i],
+        nvmlDeviceGetMemoryInfo=lambda h: SimpleNamespace(total=80 * 2**30, free=(40 + h) * 2**30),
+        nvmlDeviceGetCudaComputeCapability=lambda h: (9, 0),
+        nvmlDeviceGetUtilizationRates=lambda h: SimpleNamespace(gpu=10 * h),
+        nvmlDeviceGetUUID=lambda h: f"GPU-nvml-{h}", nvmlDeviceGetPciInfo=lambda h: SimpleNamespace(busId=bus_ids[h].encode()),
+        nvmlDeviceGetName=lambda h: b"NVIDIA H100 80GB HBM3",
+        nvmlDeviceGetComputeRunningProcesses=lambda h: [object()] * (procs or {}).get(h, 0),
+        nvmlSystemGetDriverVersion=lambda: "580.65.06", nvmlSystemGetCudaDriverVersion=lambda: 13000,
+    )
+    return ns
+
+
+def test_probe_reads_nvml_and_numbers_cards_in_pci_bus_order():
+    nvml = _fake_nvml(["00000000:41:00.0", "00000000:01:00.0"], procs={0: 2})
+    report = read_environment(nvml=nvml, with_torch=False)
+    assert report.source == "nvml" and report.driver_version == "580.65.06"
+    assert report.cuda_version == "13.0"
+    assert [(g.index, g.pci_bus_id, g.uuid) for g in report.gpus] == [
+        (0, "00000000:01:00.0", "GPU-nvml-1"), (1, "00000000:41:00.0", "GPU-nvml-0")]
+    assert report.gpus[1].processes == 2 and report.gpus[0].memory_free_mb == 41 * 1024
+    assert report.bf16_supported
+
+
+def test_probe_falls_back_to_nvidia_smi(tmp_path, monkeypatch):
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(textwrap.dedent("""\
+        #!/bin/sh
+        case "$*" in
+          *compute-apps*) echo "GPU-bbb" ;;
+          *) echo "0, GPU-aaa, 00000000:01:00.0, NVIDIA A100-SXM4-40GB, 8.0, 40960, 30000, 5, 550.1"
+             echo "1, GPU-bbb, 00000000:02:00.0, NVIDIA A100-SXM4-40GB, 8.0, 40960, 100, 97, 550.1" ;;
+        esac
+    """))
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+
+    def broken_nvml():
+        raise RuntimeError("NVML Shared Library Not Found")
+
+    report = read_environment(nvml=SimpleNamespace(nvmlInit=broken_nvml), with_torch=False)
+    assert report.source == "nvidia-smi" and report.driver_version == "550.1"
+    assert [g.processes for g in report.gpus] == [0, 1]
+    assert report.gpus[1].utilization_pct == 97
+    plan = assign_devices_for(report, DeviceRequest(), 64)
+    assert plan.physical_ids == [0]  # GPU 1 is busy
+
+
+def test_report_is_json_serialisable():
+    report = host(2, cvd="1")
+    again = EnvironmentReport.model_validate_json(report.model_dump_json())
+    assert again == report and again.visible_physical_ids() == [1]
