@@ -14,7 +14,7 @@ $(VENV_OK): pyproject.toml
 	touch $(VENV_OK)
 
 run: $(VENV_OK)          ## the main job: the training pipeline flow on its defaults
-	.venv/bin/gpuflow run $(ARGS)
+	$(PY) -m flows.train $(ARGS)
 
 test: $(VENV_OK)         ## the test suite (CPU; gpu-marked tests skip without CUDA)
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -1,0 +1,136 @@
+"""The training pipeline flow: probe -> assign -> data -> MLflow run -> launch -> log -> end.
+
+Run it with `gpuflow run` (or `python -m flows.train --help`), or as a deployment.
+"""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact
+from prefect.runtime import deployment, flow_run
+
+from tasks.assign import CardLocks, DevicePlan, assign_devices
+from tasks.data import DatasetInfo, prepare_dataset
+from tasks.launch import launch_training
+from tasks.probe import EnvironmentReport, probe_environment
+from tasks.track import default_tracking_uri, end_run, git_commit, log_json, log_results
+from tasks.track import prepare_store, project_root, start_run
+
+from .params import PipelineParams
+
+
+def run_name() -> str:
+    p = flow_run.get_parameters()
+    return (f"{p.get('model', 'mlp')}-{p.get('dataset', 'digits')}-{p.get('strategy', 'auto')}"
+            f"-gpus={p.get('gpus', 'auto')}")
+
+
+@flow(name="train-pipeline", flow_run_name=run_name, validate_parameters=True)
+def train_pipeline(
+    model: str = "mlp", dataset: str = "digits", data_root: str = "data", download: bool = False,
+    val_fraction: float = 0.2, split_seed: int = 0, synthetic_size: int = 4096,
+    epochs: int = 3, batch_size: int = 64, lr: float = 1e-3, optimizer: str = "adam",
+    momentum: float = 0.9, grad_clip: float = 0.0, precision: str = "fp32",
+    strategy: str = "auto", gpus: str = "auto", backend: str = "auto", min_free_mb: int = 0,
+    skip_busy: bool = True, cpu_processes: int = 0, seed: int = 42, deterministic: bool = False,
+    cudnn_benchmark: bool = False, num_workers: int = 0, resume: str = "auto",
+    dist_timeout_s: float = 300.0, max_steps_per_epoch: int = 0, max_restarts: int = 1,
+    launch_retries: int = 0, nnodes: int = 1, node_rank: int = 0, rdzv_endpoint: str | None = None,
+    experiment: str = "gpuflow", registered_model: str = "gpuflow-model",
+    tracking_uri: str | None = None, runs_dir: str = "runs",
+) -> dict:
+    """Train a model on the best devices of this host and log one MLflow run.
+
+    Every parameter is a field of PipelineParams (flows/params.py), validated before any work.
+    """
+    params = PipelineParams(**{k: v for k, v in locals().items()})
+    report = probe_environment()
+    plan = assign_devices(report, params.device_request(), params.batch_size, params.precision)
+    locks = CardLocks()
+    locks.acquire(plan)  # released below, and by the kernel if this process dies
+    try:
+        cfg = params.train_config(plan)
+        data = prepare_dataset.with_options(retries=2 if cfg.download else 0)(cfg)  # only downloads can flake
+        return train_and_track(params, report, plan, data)
+    finally:
+        locks.release()
+
+
+def train_and_track(params: PipelineParams, report: EnvironmentReport, plan: DevicePlan,
+                    data: DatasetInfo) -> dict:
+    """Own the MLflow run around the launch: it always ends FINISHED, FAILED or KILLED."""
+    log = get_run_logger()
+    uri = params.tracking_uri or default_tracking_uri()
+    prepare_store(uri)
+    run_id = start_run(params.experiment, flow_run.get_name() or "train", params.model_dump(mode="json"),
+                       run_tags(params, plan), data) if params.node_rank == 0 else None
+    try:
+        workdir = Path(params.runs_dir).resolve() / (run_id or f"node{params.node_rank}-{uuid.uuid4().hex[:8]}")
+        workdir.mkdir(parents=True, exist_ok=True)
+        config = params.train_config(plan, workdir).to_json(workdir / "config.json")
+        if run_id:
+            log_json(run_id, report.model_dump(mode="json"), "environment_report.json")
+            log_json(run_id, plan.model_dump(mode="json"), "device_plan.json")
+        launch = launch_training.with_options(retries=params.launch_retries)
+        result = launch(config, plan, params.launch_options(rdzv_id=params.rdzv_endpoint or "gpuflow"),
+                        workdir, run_id, uri)
+        if not run_id:
+            return {"node_rank": params.node_rank, "result": result}
+        version = log_results(run_id, result, workdir, params.model, params.registered_model,
+                              data.num_classes, data.input_shape)
+        summarize(params, plan, result, run_id, version)
+        end_run(run_id)
+        log.info("MLflow run %s finished; model %s version %s", run_id, params.registered_model, version)
+        return {"run_id": run_id, "status": "FINISHED", "model_version": version, **result}
+    except BaseException as e:
+        if run_id:
+            end_run(run_id, e)
+        raise
+
+
+def run_tags(params: PipelineParams, plan: DevicePlan) -> dict:
+    world = plan.nproc_per_node * params.nnodes
+    return {
+        "prefect.flow_run_id": flow_run.get_id(), "prefect.flow_run_name": flow_run.get_name(),
+        "prefect.deployment": deployment.get_name(), "mlflow.source.git.commit": git_commit(),
+        "strategy": plan.strategy, "world_size": world, "backend": plan.backend,
+        "device": plan.device, "physical_gpus": ",".join(map(str, plan.physical_ids)) or "none",
+        "primary_gpu": plan.primary if plan.primary is not None else "none",
+        "dataset": params.dataset, "model": params.model,
+    }
+
+
+def summarize(params: PipelineParams, plan: DevicePlan, result: dict, run_id: str, version: str) -> None:
+    m = result["final_metrics"]
+    rows = "\n".join(f"| {k} | {v:.4f} |" for k, v in m.items())
+    create_markdown_artifact(
+        key="training-summary",
+        description=f"{params.model} on {params.dataset}",
+        markdown=(
+            f"# {params.model} on {params.dataset}\n\n"
+            f"**Devices**: {plan.describe()} ({plan.strategy}, {plan.backend}, "
+            f"world size {result['world_size']})  \n"
+            f"**Epochs run**: {result['epochs_run']}  \n"
+            f"**MLflow run**: `{run_id}` (`make ui`, then http://127.0.0.1:5000/#/experiments/"
+            f"{_experiment_id(run_id)}/runs/{run_id})  \n"
+            f"**Registered model**: {params.registered_model} v{version}\n\n"
+            f"| metric | value |\n|---|---|\n{rows}\n"
+        ),
+    )
+
+
+def _experiment_id(run_id: str) -> str:
+    import mlflow
+
+    return mlflow.MlflowClient().get_run(run_id).info.experiment_id
+
+
+if __name__ == "__main__":
+    import sys
+
+    from .cli import main
+
+    sys.exit(main(["run", *sys.argv[1:]]))

@@ -1,0 +1,161 @@
+"""Launch the worker as a child process: torchrun for DDP, plain python for single and DP.
+
+The child starts with the DevicePlan's environment, so CUDA_VISIBLE_DEVICES and
+CUDA_DEVICE_ORDER take effect before CUDA initialises. Its stdout and stderr are streamed
+line by line (two reader threads: a full pipe can never block the child).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+from pydantic import BaseModel, Field
+
+from .assign import DevicePlan
+
+TAIL_LINES = 40
+
+
+class LaunchOptions(BaseModel):
+    max_restarts: int = Field(1, ge=0, description="torchrun elastic restarts after a worker dies")
+    nnodes: int = Field(1, ge=1, description="machines taking part (multi-node DDP)")
+    node_rank: int = Field(0, ge=0, description="this machine's rank among nnodes")
+    rdzv_endpoint: str | None = Field(None, description="host:port of the rendezvous (multi-node)")
+    rdzv_id: str = Field("gpuflow", description="rendezvous id shared by all nodes of one job")
+
+
+class TrainingFailed(RuntimeError):
+    """The worker exited non-zero; the message carries its last lines of output."""
+
+
+def port_in_use(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def build_command(plan: DevicePlan, opts: LaunchOptions, config: Path, result: Path,
+                  log_dir: Path) -> list[str]:
+    worker = ["-m", "training", "--config", str(config), "--result", str(result)]
+    if plan.strategy != "ddp":
+        return [sys.executable, *worker]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={plan.nproc_per_node}",
+           f"--max-restarts={opts.max_restarts}", "--tee=3", f"--log-dir={log_dir}", "--role=rank"]
+    if opts.nnodes == 1 and not opts.rdzv_endpoint:
+        cmd.append("--standalone")  # c10d on a free localhost port: parallel runs never collide
+    else:
+        # static rendezvous: global rank = node_rank * nproc + local_rank, so global rank 0
+        # (the one that logs to MLflow and writes result.json) is always on node 0, whose
+        # flow owns the run. c10d would assign ranks in join order instead.
+        host, _, port = opts.rdzv_endpoint.rpartition(":")
+        cmd += [f"--nnodes={opts.nnodes}", f"--node-rank={opts.node_rank}",
+                f"--master-addr={host}", f"--master-port={port}"]
+    return [*cmd, *worker]
+
+
+def check_rendezvous(opts: LaunchOptions) -> None:
+    """A rendezvous port already taken on this host fails now, with the port named."""
+    if not opts.rdzv_endpoint or opts.node_rank != 0:
+        return
+    host, _, port = opts.rdzv_endpoint.rpartition(":")
+    if not port.isdigit():
+        raise ValueError(f"rdzv_endpoint {opts.rdzv_endpoint!r} must be host:port, e.g. 127.0.0.1:29400")
+    if host in ("127.0.0.1", "localhost", "0.0.0.0", socket.gethostname()) and port_in_use(host, int(port)):
+        raise ValueError(f"rendezvous port {port} on {host} is already in use; pick another "
+                         "rdzv_endpoint port (or stop what listens there)")
+
+
+def _pump(stream, name: str, q: queue.Queue) -> None:
+    for line in iter(stream.readline, ""):
+        q.put((name, line.rstrip("\n")))
+    stream.close()
+    q.put((name, None))
+
+
+def run_child(cmd: list[str], env: dict, cwd: Path, log: logging.Logger | logging.LoggerAdapter) -> tuple[int, list[str]]:
+    """Run cmd, forwarding each output line to `log` as it arrives; returns (code, last lines)."""
+    tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, bufsize=1, start_new_session=True)
+    q: queue.Queue = queue.Queue()
+    readers = [threading.Thread(target=_pump, args=(s, n, q), daemon=True)
+               for s, n in ((proc.stdout, "stdout"), (proc.stderr, "stderr"))]
+    for t in readers:
+        t.start()
+    try:
+        open_streams = 2
+        while open_streams:
+            name, line = q.get()
+            if line is None:
+                open_streams -= 1
+                continue
+            tail.append(line)
+            (log.warning if name == "stderr" and "error" in line.lower() else log.info)(line)
+        return proc.wait(), list(tail)
+    finally:
+        if proc.poll() is None:  # we are being cancelled or failed: take the whole group down
+            _terminate(proc)
+
+
+def _terminate(proc: subprocess.Popen, grace: float = 10.0) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        pass
+
+
+def child_environment(plan: DevicePlan, run_id: str | None, tracking_uri: str | None) -> dict:
+    env = plan.child_environ()
+    env["PYTHONUNBUFFERED"] = "1"
+    env.pop("MLFLOW_RUN_ID", None)
+    if run_id:
+        env["MLFLOW_RUN_ID"] = run_id
+    if tracking_uri:
+        env["MLFLOW_TRACKING_URI"] = tracking_uri
+    return env
+
+
+def launch(config: Path, plan: DevicePlan, opts: LaunchOptions, workdir: Path, log,
+           run_id: str | None = None, tracking_uri: str | None = None) -> dict:
+    check_rendezvous(opts)
+    result = workdir / "result.json"
+    result.unlink(missing_ok=True)
+    cmd = build_command(plan, opts, config, result, workdir / "logs")
+    log.info("launching: %s", " ".join(cmd))
+    code, tail = run_child(cmd, child_environment(plan, run_id, tracking_uri), workdir, log)
+    if code != 0:
+        raise TrainingFailed(f"training exited with code {code}; last output:\n" + "\n".join(tail[-15:]))
+    if not result.is_file():
+        if opts.node_rank != 0:
+            return {"node_rank": opts.node_rank, "final_metrics": {}}
+        raise TrainingFailed(f"training exited 0 but wrote no {result}")
+    return json.loads(result.read_text())
+
+
+@task(name="launch-training", retries=0, cache_policy=NO_CACHE)
+def launch_training(config: Path, plan: DevicePlan, opts: LaunchOptions, workdir: Path,
+                    run_id: str | None = None, tracking_uri: str | None = None) -> dict:
+    """Run the worker with the plan's devices; stream its output; return its results JSON."""
+    from prefect import get_run_logger
+
+    return launch(config, plan, opts, workdir, get_run_logger(), run_id, tracking_uri)

@@ -1,0 +1,176 @@
+"""MLflow: the flow owns the run (create, log, register, end); workers only attach to it.
+
+The run is started with the fluent API in the flow's thread (Prefect runs sync tasks in
+that thread) so MLflow's system-metrics monitor samples CPU/memory/GPU while training runs.
+Only named values are logged: never the environment wholesale.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import subprocess
+import tempfile
+from pathlib import Path
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+ROOT = Path(__file__).resolve().parents[1]
+KILLED_EXCEPTIONS = ("KeyboardInterrupt", "TerminationSignal", "Abort", "Cancelled",
+                     "CancelledError", "SystemExit", "Terminated")
+
+
+def project_root() -> Path:
+    """The checkout when run from one (editable install), else the working directory."""
+    return ROOT if (ROOT / "pyproject.toml").is_file() else Path.cwd()
+
+
+def default_tracking_uri() -> str:
+    import os
+
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{project_root() / 'mlflow.db'}"
+
+
+def prepare_store(uri: str) -> None:
+    """Point MLflow at `uri`; for SQLite create the schema and switch it to WAL once.
+
+    WAL lets the training child append metrics while the flow writes system metrics and
+    other runs write theirs, instead of failing with 'database is locked'.
+    """
+    import mlflow
+
+    mlflow.set_tracking_uri(uri)
+    if uri.startswith("sqlite:///"):
+        mlflow.MlflowClient().search_experiments(max_results=1)  # creates tables if missing
+        with sqlite3.connect(uri.removeprefix("sqlite:///"), timeout=30) as db:
+            db.execute("PRAGMA journal_mode=WAL")
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=project_root(), capture_output=True,
+                             text=True, timeout=10)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+def flat_params(d: dict, prefix: str = "") -> dict[str, str]:
+    out: dict[str, str] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flat_params(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = json.dumps(v) if isinstance(v, (list, tuple)) else str(v)
+    return out
+
+
+def start_run(experiment: str, run_name: str, params: dict, tags: dict, dataset,
+              system_metrics_interval: float = 2.0) -> str:
+    """Create the run (active in this thread), log params, tags and the dataset input."""
+    import mlflow
+    from mlflow.data.code_dataset_source import CodeDatasetSource
+    from mlflow.data.meta_dataset import MetaDataset
+
+    mlflow.set_experiment(experiment)
+    mlflow.set_system_metrics_sampling_interval(system_metrics_interval)
+    run = mlflow.start_run(run_name=run_name, tags={k: str(v) for k, v in tags.items() if v is not None},
+                           log_system_metrics=True)
+    mlflow.log_params(flat_params(params))
+    source = CodeDatasetSource({"dataset": dataset.name, "root": str(dataset.root or "")})
+    mlflow.log_input(MetaDataset(source=source, name=dataset.name, digest=dataset.sha256[:36]),
+                     context="training", tags={"samples": str(dataset.num_samples)})
+    return run.info.run_id
+
+
+def log_json(run_id: str, obj: dict, name: str, folder: str = "environment") -> None:
+    import mlflow
+
+    with tempfile.TemporaryDirectory() as d:
+        p = Path(d) / name
+        p.write_text(json.dumps(obj, indent=2, default=str))
+        mlflow.MlflowClient().log_artifact(run_id, str(p), folder)
+
+
+def plot_history(history: list[dict], out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    epochs = [h["epoch"] for h in history]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    a.plot(epochs, [h["train_loss"] for h in history], "o-", label="train loss")
+    a.plot(epochs, [h["val_loss"] for h in history], "o-", label="val loss")
+    a.set_xlabel("epoch"), a.set_ylabel("cross-entropy"), a.legend(), a.grid(alpha=0.3)
+    b.plot(epochs, [h["val_accuracy"] for h in history], "o-", color="tab:green")
+    b.set_xlabel("epoch"), b.set_ylabel("validation accuracy"), b.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def register_model(run_id: str, checkpoint: str, model_name: str, registered_name: str,
+                   num_classes: int, input_shape: list[int]) -> str:
+    """Log the de-prefixed checkpoint's model and register it; idempotent per run."""
+    import mlflow
+    import torch
+    import torchvision
+
+    from training.checkpoint import load_file, load_model_state
+    from training.models import build_model
+
+    client = mlflow.MlflowClient()
+    existing = client.search_model_versions(f"name='{registered_name}' and run_id='{run_id}'")
+    if existing:  # a retried task must not create a second version
+        return existing[0].version
+    model = build_model(model_name, num_classes, tuple(input_shape))
+    load_model_state(model, load_file(checkpoint)["model"], source=checkpoint)
+    reqs = [f"torch=={torch.__version__.split('+')[0]}",
+            f"torchvision=={torchvision.__version__.split('+')[0]}"]
+    info = mlflow.pytorch.log_model(model.eval(), name="model", registered_model_name=registered_name,
+                                    serialization_format="pickle", pip_requirements=reqs)
+    return str(info.registered_model_version)
+
+
+@task(name="log-results", cache_policy=NO_CACHE)
+def log_results(run_id: str, result: dict, workdir: Path, model_name: str, registered_name: str,
+                num_classes: int, input_shape: list[int]) -> str:
+    """Log checkpoint, curves, worker logs and the registered model; returns the version."""
+    import mlflow
+
+    client = mlflow.MlflowClient()
+    log_json(run_id, result, "result.json", "training")
+    if result.get("checkpoint"):
+        client.log_artifact(run_id, result["checkpoint"], "checkpoints")
+    if result.get("history"):
+        client.log_artifact(run_id, str(plot_history(result["history"], workdir / "curves.png")), "plots")
+    if (workdir / "logs").is_dir():
+        client.log_artifacts(run_id, str(workdir / "logs"), "worker-logs")
+    client.log_artifact(run_id, str(workdir / "config.json"), "training")
+    return register_model(run_id, result["checkpoint"], model_name, registered_name,
+                          num_classes, input_shape)
+
+
+def status_for(exc: BaseException | None) -> str:
+    if exc is None:
+        return "FINISHED"
+    return "KILLED" if type(exc).__name__ in KILLED_EXCEPTIONS else "FAILED"
+
+
+def end_run(run_id: str, exc: BaseException | None = None) -> str:
+    """Set the terminal status (FINISHED / FAILED / KILLED) and stop system metrics."""
+    import mlflow
+
+    status = status_for(exc)
+    client = mlflow.MlflowClient()
+    if exc is not None:
+        client.set_tag(run_id, "error", f"{type(exc).__name__}: {exc}"[:4000])
+    active = mlflow.active_run()
+    if active and active.info.run_id == run_id:
+        mlflow.end_run(status)
+    else:
+        client.set_terminated(run_id, status)
+    return status
