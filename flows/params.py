@@ -31,7 +31,8 @@ class PipelineParams(TrainConfig):
     launch_retries: int = Field(0, ge=0, description="Prefect retries of the launch (resume from checkpoint)")
     nnodes: int = Field(1, ge=1, description="machines in a multi-node DDP job")
     node_rank: int = Field(0, ge=0, description="this machine's rank; only node 0 owns the MLflow run")
-    rdzv_endpoint: str | None = Field(None, description="host:port of the c10d rendezvous (multi-node)")
+    rdzv_endpoint: str | None = Field(None, description="host:port of node 0's rendezvous (multi-node)")
+    rdzv_timeout_s: int = Field(300, gt=0, description="fail when not every node arrives in time")
     experiment: str = Field("gpuflow", description="MLflow experiment name")
     registered_model: str = Field("gpuflow-model", description="Model Registry name")
     tracking_uri: str | None = Field(None, description="MLflow URI (default: MLFLOW_TRACKING_URI "
@@ -58,7 +59,7 @@ class PipelineParams(TrainConfig):
     def launch_options(self, rdzv_id: str) -> LaunchOptions:
         return LaunchOptions(max_restarts=self.max_restarts, nnodes=self.nnodes,
                              node_rank=self.node_rank, rdzv_endpoint=self.rdzv_endpoint,
-                             rdzv_id=rdzv_id)
+                             rdzv_id=rdzv_id, rdzv_timeout_s=self.rdzv_timeout_s)
 
     def train_config(self, plan: DevicePlan | None = None, workdir: Path | None = None) -> TrainConfig:
         """The worker's config; with a plan, strategy and devices come from it."""

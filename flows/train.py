@@ -14,7 +14,7 @@ from prefect.runtime import deployment, flow_run
 
 from tasks.assign import CardLocks, DevicePlan, assign_devices
 from tasks.data import DatasetInfo, prepare_dataset
-from tasks.launch import launch_training
+from tasks.launch import launch_training, preflight
 from tasks.probe import EnvironmentReport, probe_environment
 from tasks.track import default_tracking_uri, end_run, git_commit, log_json, log_results
 from tasks.track import prepare_store, project_root, start_run
@@ -39,6 +39,7 @@ def train_pipeline(
     cudnn_benchmark: bool = False, num_workers: int = 0, resume: str = "auto",
     dist_timeout_s: float = 300.0, max_steps_per_epoch: int = 0, max_restarts: int = 1,
     launch_retries: int = 0, nnodes: int = 1, node_rank: int = 0, rdzv_endpoint: str | None = None,
+    rdzv_timeout_s: int = 300,
     experiment: str = "gpuflow", registered_model: str = "gpuflow-model",
     tracking_uri: str | None = None, runs_dir: str = "runs",
 ) -> dict:
@@ -54,6 +55,8 @@ def train_pipeline(
     try:
         cfg = params.train_config(plan)
         data = prepare_dataset.with_options(retries=2 if cfg.download else 0)(cfg)  # only downloads can flake
+        preflight(cfg, params.launch_options(params.rdzv_endpoint or "gpuflow"), data.num_classes,
+                  data.input_shape)
         return train_and_track(params, report, plan, data)
     finally:
         locks.release()

@@ -34,6 +34,7 @@ class LaunchOptions(BaseModel):
     node_rank: int = Field(0, ge=0, description="this machine's rank among nnodes")
     rdzv_endpoint: str | None = Field(None, description="host:port of the rendezvous (multi-node)")
     rdzv_id: str = Field("gpuflow", description="rendezvous id shared by all nodes of one job")
+    rdzv_timeout_s: int = Field(300, gt=0, description="give up when not all nodes arrive in time")
 
 
 class TrainingFailed(RuntimeError):
@@ -58,14 +59,16 @@ def build_command(plan: DevicePlan, opts: LaunchOptions, config: Path, result: P
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={plan.nproc_per_node}",
            f"--max-restarts={opts.max_restarts}", "--tee=3", f"--log-dir={log_dir}", "--role=rank"]
     if opts.nnodes == 1 and not opts.rdzv_endpoint:
-        cmd.append("--standalone")  # c10d on a free localhost port: parallel runs never collide
+        cmd += ["--standalone",  # c10d on a free localhost port: parallel runs never collide
+                f"--rdzv-conf=join_timeout={opts.rdzv_timeout_s}"]
     else:
         # static rendezvous: global rank = node_rank * nproc + local_rank, so global rank 0
         # (the one that logs to MLflow and writes result.json) is always on node 0, whose
         # flow owns the run. c10d would assign ranks in join order instead.
         host, _, port = opts.rdzv_endpoint.rpartition(":")
         cmd += [f"--nnodes={opts.nnodes}", f"--node-rank={opts.node_rank}",
-                f"--master-addr={host}", f"--master-port={port}"]
+                f"--master-addr={host}", f"--master-port={port}",
+                f"--rdzv-conf=timeout={opts.rdzv_timeout_s}"]
     return [*cmd, *worker]
 
 
@@ -159,3 +162,25 @@ def launch_training(config: Path, plan: DevicePlan, opts: LaunchOptions, workdir
     from prefect import get_run_logger
 
     return launch(config, plan, opts, workdir, get_run_logger(), run_id, tracking_uri)
+
+
+def check_resume(cfg, num_classes: int, input_shape: list[int]) -> None:
+    """An explicit resume file must exist, hold only tensors, and fit the model."""
+    if cfg.resume in ("auto", "never"):
+        return
+    from training.checkpoint import CheckpointError, load_file, load_model_state
+    from training.models import build_model
+
+    payload = load_file(cfg.resume)
+    if "model" not in payload:
+        raise CheckpointError(f"checkpoint {cfg.resume!r} has no 'model' entry; it was not written "
+                              "by gpuflow (keys: " + ", ".join(map(str, list(payload)[:8])) + ")")
+    model = build_model(cfg.model, num_classes, tuple(input_shape))
+    load_model_state(model, payload["model"], source=f"checkpoint {cfg.resume!r}")
+
+
+@task(name="preflight", cache_policy=NO_CACHE)
+def preflight(cfg, opts: LaunchOptions, num_classes: int, input_shape: list[int]) -> None:
+    """Fail before any MLflow run starts: bad resume file, rendezvous port already taken."""
+    check_rendezvous(opts)
+    check_resume(cfg, num_classes, input_shape)

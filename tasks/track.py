@@ -142,6 +142,7 @@ def log_results(run_id: str, result: dict, workdir: Path, model_name: str, regis
     import mlflow
 
     client = mlflow.MlflowClient()
+    client.set_tag(run_id, "torchrun_restarts", str(result.get("restarts", 0)))
     log_json(run_id, result, "result.json", "training")
     if result.get("checkpoint"):
         client.log_artifact(run_id, result["checkpoint"], "checkpoints")

@@ -75,13 +75,15 @@ def load_file(path: str | Path, map_location="cpu") -> dict:
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
-        if "weights_only" in str(e) or "Unsupported global" in str(e):
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        if found:  # a class or function reference: unpickling it could run code
             raise CheckpointError(
                 f"refusing to load {str(path)!r}: it contains pickled Python objects, not only "
-                f"tensors, and loading it could run arbitrary code. Re-save it as a plain "
-                f"state dict ({str(e).splitlines()[0][:200]})"
+                f"tensors (found {found.group(1)}), and loading it could run arbitrary code. "
+                "Re-save it as a plain dict of tensors, e.g. {'model': model.state_dict()}"
             ) from None
-        raise CheckpointError(f"checkpoint {str(path)!r} is corrupt or not a torch file: {e}") from None
+        raise CheckpointError(f"checkpoint {str(path)!r} is corrupt or not a torch file "
+                              "(it does not unpickle); pick another file") from None
     except (RuntimeError, EOFError, ValueError, OSError) as e:
         raise CheckpointError(f"checkpoint {str(path)!r} is corrupt or truncated: {e}") from None
 

@@ -79,8 +79,22 @@ def setup(cfg: TrainConfig) -> DistContext:
     device = _pick_device(cfg, local_rank)
     if cfg.strategy == "ddp":
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(seconds=cfg.dist_timeout_s))
+        init_group(backend, timedelta(seconds=cfg.dist_timeout_s))
     return DistContext(rank, local_rank, world, device, cfg.strategy)
+
+
+def init_group(backend: str, timeout: timedelta) -> None:
+    """init_process_group on the env:// store, under a key prefix unique to this attempt.
+
+    After a torchrun restart, the store can still hold the previous attempt's addresses;
+    without the prefix a rank may dial a dead peer ('Connection refused', pytorch#167288).
+    """
+    from torch.distributed.rendezvous import rendezvous
+
+    store, rank, world = next(rendezvous("env://", timeout=timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    prefixed = dist.PrefixStore(f"gpuflow/attempt-{attempt}", store)
+    dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world, timeout=timeout)
 
 
 def all_reduce_sum(values: list[float], ctx: DistContext) -> list[float]:
