@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
 
     out = train_pipeline(**args)
     summary = {k: out.get(k) for k in ("run_id", "status", "model_version", "epochs_run",
-                                       "world_size", "final_metrics")}
+                                       "world_size", "final_metrics", "timings")}
     print(json.dumps(summary, indent=2))
     return 0
 

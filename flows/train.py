@@ -5,7 +5,9 @@ Run it with `gpuflow run` (or `python -m flows.train --help`), or as a deploymen
 
 from __future__ import annotations
 
+import time
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
 
 from prefect import flow, get_run_logger
@@ -17,9 +19,24 @@ from tasks.data import DatasetInfo, prepare_dataset
 from tasks.launch import launch_training, preflight
 from tasks.probe import EnvironmentReport, probe_environment
 from tasks.track import default_tracking_uri, end_run, git_commit, log_json, log_results
-from tasks.track import prepare_store, project_root, start_run
+from tasks.track import prepare_store, prewarm, start_run
 
 from .params import PipelineParams
+
+
+class StepTimer:
+    """Wall time per pipeline step, for the run's `pipeline.*_s` metrics and benchmarks."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, step: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[step] = round(time.perf_counter() - start, 3)
 
 
 def run_name() -> str:
@@ -48,28 +65,35 @@ def train_pipeline(
     Every parameter is a field of PipelineParams (flows/params.py), validated before any work.
     """
     params = PipelineParams(**{k: v for k, v in locals().items()})
-    report = probe_environment()
-    plan = assign_devices(report, params.device_request(), params.batch_size, params.precision)
+    timer = StepTimer()
+    with timer("probe"):
+        report = probe_environment()
+    with timer("assign"):
+        plan = assign_devices(report, params.device_request(), params.batch_size, params.precision)
     locks = CardLocks()
     locks.acquire(plan)  # released below, and by the kernel if this process dies
     try:
         cfg = params.train_config(plan)
-        data = prepare_dataset.with_options(retries=2 if cfg.download else 0)(cfg)  # only downloads can flake
-        preflight(cfg, params.launch_options(params.rdzv_endpoint or "gpuflow"), data.num_classes,
-                  data.input_shape)
-        return train_and_track(params, report, plan, data)
+        with timer("data"):  # only downloads can flake: retry those alone
+            data = prepare_dataset.with_options(retries=2 if cfg.download else 0)(cfg)
+        with timer("preflight"):
+            preflight(cfg, params.launch_options(params.rdzv_endpoint or "gpuflow"),
+                      data.num_classes, data.input_shape)
+        return train_and_track(params, report, plan, data, timer)
     finally:
         locks.release()
 
 
 def train_and_track(params: PipelineParams, report: EnvironmentReport, plan: DevicePlan,
-                    data: DatasetInfo) -> dict:
+                    data: DatasetInfo, timer: StepTimer) -> dict:
     """Own the MLflow run around the launch: it always ends FINISHED, FAILED or KILLED."""
     log = get_run_logger()
     uri = params.tracking_uri or default_tracking_uri()
-    prepare_store(uri)
-    run_id = start_run(params.experiment, flow_run.get_name() or "train", params.model_dump(mode="json"),
-                       run_tags(params, plan), data) if params.node_rank == 0 else None
+    with timer("mlflow_start"):
+        prepare_store(uri)
+        run_id = start_run(params.experiment, flow_run.get_name() or "train",
+                           params.model_dump(mode="json"), run_tags(params, plan),
+                           data) if params.node_rank == 0 else None
     try:
         workdir = Path(params.runs_dir).resolve() / (run_id or f"node{params.node_rank}-{uuid.uuid4().hex[:8]}")
         workdir.mkdir(parents=True, exist_ok=True)
@@ -78,20 +102,32 @@ def train_and_track(params: PipelineParams, report: EnvironmentReport, plan: Dev
             log_json(run_id, report.model_dump(mode="json"), "environment_report.json")
             log_json(run_id, plan.model_dump(mode="json"), "device_plan.json")
         launch = launch_training.with_options(retries=params.launch_retries)
-        result = launch(config, plan, params.launch_options(rdzv_id=params.rdzv_endpoint or "gpuflow"),
-                        workdir, run_id, uri)
+        warm = prewarm() if run_id else None
+        with timer("launch"):
+            result = launch(config, plan, params.launch_options(rdzv_id=params.rdzv_endpoint or "gpuflow"),
+                            workdir, run_id, uri)
         if not run_id:
-            return {"node_rank": params.node_rank, "result": result}
-        version = log_results(run_id, result, workdir, params.model, params.registered_model,
-                              data.num_classes, data.input_shape)
-        summarize(params, plan, result, run_id, version)
+            return {"node_rank": params.node_rank, "result": result, "timings": timer.seconds}
+        with timer("log_results"):
+            warm.join()
+            version = log_results(run_id, result, workdir, params.model, params.registered_model,
+                                  data.num_classes, data.input_shape)
+            summarize(params, plan, result, run_id, version)
+        log_timings(timer.seconds)
         end_run(run_id)
         log.info("MLflow run %s finished; model %s version %s", run_id, params.registered_model, version)
-        return {"run_id": run_id, "status": "FINISHED", "model_version": version, **result}
+        return {"run_id": run_id, "status": "FINISHED", "model_version": version, **result,
+                "timings": timer.seconds}
     except BaseException as e:
         if run_id:
             end_run(run_id, e)
         raise
+
+
+def log_timings(seconds: dict[str, float]) -> None:
+    import mlflow
+
+    mlflow.log_metrics({f"pipeline.{k}_s": v for k, v in seconds.items()})
 
 
 def run_tags(params: PipelineParams, plan: DevicePlan) -> dict:

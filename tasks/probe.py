@@ -171,6 +171,17 @@ print(json.dumps({
 """
 
 
+def torch_view_no_gpu() -> dict:
+    """Versions and backends without touching the CUDA runtime (nothing here initialises it)."""
+    import torch
+    import torch.distributed as dist
+
+    return {"torch_version": torch.__version__, "cuda_version": torch.version.cuda,
+            "cudnn_version": None, "nccl_version": None, "torch_device_count": 0, "bf16": True,
+            "backends": {"nccl": dist.is_nccl_available(), "gloo": dist.is_gloo_available(),
+                         "mpi": dist.is_mpi_available()}}
+
+
 def torch_view(timeout: float = 120) -> dict:
     """torch's own view, taken in a child process so the parent never initialises CUDA."""
     proc = subprocess.run([sys.executable, "-c", TORCH_PROBE], capture_output=True, text=True,
@@ -194,7 +205,9 @@ def read_environment(nvml=None, with_torch: bool = True) -> EnvironmentReport:
         except Exception as e2:
             if shutil.which("nvidia-smi") or "LibraryNotFound" not in type(e).__name__:
                 warnings.append(f"no GPU information: NVML: {e}; nvidia-smi: {e2}")
-    tv = torch_view() if with_torch else {}
+    # With GPUs, torch's view (device count, NCCL, bf16) needs the CUDA runtime: ask a child.
+    # Without them there is nothing to cross-check, and a child would cost ~2 s of imports.
+    tv = (torch_view() if gpus else torch_view_no_gpu()) if with_torch else {}
     if "error" in tv:
         warnings.append(f"torch probe failed: {tv['error']}")
     report = EnvironmentReport(

@@ -34,14 +34,16 @@ def write_json_atomic(path: Path, obj: dict) -> None:
 def run(config_path: str, result_path: str | None) -> dict:
     from . import data, distributed
     from .config import TrainConfig
+    from .tracking import MetricsSink
     from .trainer import Trainer, seed_everything, set_determinism
 
     cfg = TrainConfig.from_json(config_path)
+    sink = MetricsSink(is_main=os.environ.get("RANK", "0") == "0")  # connects in the background
     ctx = distributed.setup(cfg)
     try:
         seed_everything(cfg.seed)
         set_determinism(cfg)
-        trainer = Trainer(cfg, ctx, data.load_data(cfg))
+        trainer = Trainer(cfg, ctx, data.load_data(cfg), sink)
         result = trainer.train()
         if ctx.is_main:
             out = Path(result_path or Path(config_path).with_name("result.json"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 
 
@@ -13,19 +14,44 @@ class MetricsSink:
     def __init__(self, is_main: bool):
         self.run_id = os.environ.get("MLFLOW_RUN_ID") if is_main else None
         self._client = None
-        if self.run_id:
-            from mlflow.tracking import MlflowClient  # heavy: import only when used
+        self._ready: threading.Thread | None = None
+        self._error: Exception | None = None
+        self._pending: list = []
+        if self.run_id:  # mlflow takes ~1.2 s to import: do it while data loads and ranks meet
+            self._ready = threading.Thread(target=self._connect, daemon=True)
+            self._ready.start()
+
+    def _connect(self) -> None:
+        try:
+            from mlflow.tracking import MlflowClient
 
             self._client = MlflowClient()
+        except Exception as e:  # reported once, at the first log_epoch
+            self._error = e
 
     def log_epoch(self, epoch: int, metrics: dict[str, float]) -> None:
-        if not self._client:
+        if not self._ready:
+            return
+        self._ready.join()
+        if self._client is None:
+            print(f"[rank 0] warning: MLflow unavailable, metrics stay in result.json: {self._error}",
+                  file=sys.stderr)
+            self._ready = None
             return
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
         batch = [Metric(k, float(v), now, epoch) for k, v in metrics.items()]
-        try:
-            self._client.log_batch(self.run_id, metrics=batch, synchronous=True)
+        try:  # queued: the write happens off the training loop; close() waits for it
+            self._pending.append(self._client.log_batch(self.run_id, metrics=batch, synchronous=False))
         except Exception as e:  # tracking trouble must not kill training; result.json keeps all
             print(f"[rank 0] warning: could not log metrics to MLflow: {e}", file=sys.stderr)
+
+    def close(self) -> None:
+        """Wait until every queued metric is written (before the process exits)."""
+        for op in self._pending:
+            try:
+                op.wait()
+            except Exception as e:
+                print(f"[rank 0] warning: could not log metrics to MLflow: {e}", file=sys.stderr)
+        self._pending.clear()

@@ -71,7 +71,8 @@ def fault_hook(spec: str | None):
 class Trainer:
     """Builds model, data and optimizer from a config and trains from where it left off."""
 
-    def __init__(self, cfg: TrainConfig, ctx: DistContext, bundle: data_mod.DataBundle):
+    def __init__(self, cfg: TrainConfig, ctx: DistContext, bundle: data_mod.DataBundle,
+                 sink: MetricsSink | None = None):
         self.cfg, self.ctx, self.bundle = cfg, ctx, bundle
         self.device = ctx.device
         self.pin = self.device.type == "cuda"
@@ -83,12 +84,13 @@ class Trainer:
         self.train_loader, self.sampler = data_mod.train_loader(bundle.train, cfg, ctx.rank, world, self.pin)
         self.val_loader = data_mod.val_loader(bundle.val, cfg, ctx.rank, world, self.pin)
         self.store = CheckpointStore(cfg.checkpoint_dir)
-        self.sink = MetricsSink(ctx.is_main)
+        self.sink = sink or MetricsSink(ctx.is_main)
         self.fault = fault_hook(os.environ.get("GPUFLOW_FAULT"))
         self.epochs_run = 0
         self.history: list[dict] = []
         self.last_checkpoint: str | None = None
         self.resumed_from: str | None = None
+        self.train_time_s = 0.0
         self._resume()
 
     # --- construction -----------------------------------------------------------------
@@ -224,6 +226,7 @@ class Trainer:
         return {"val_loss": total / n, "val_accuracy": right / n}
 
     def train(self) -> dict:
+        start = time.perf_counter()
         for epoch in range(self.epochs_run, self.cfg.epochs):
             metrics = self._run_epoch(epoch)
             metrics.update(self.evaluate())
@@ -237,6 +240,8 @@ class Trainer:
                 f"val_loss {metrics['val_loss']:.4f} val_acc {metrics['val_accuracy']:.4f} "
                 f"{metrics['samples_per_s']:.0f} samples/s"
             )
+        self.sink.close()
+        self.train_time_s = time.perf_counter() - start
         return self.result()
 
     def result(self) -> dict:
@@ -250,6 +255,7 @@ class Trainer:
             "device": str(self.device),
             "resumed_from": self.resumed_from,
             "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+            "train_time_s": self.train_time_s,
             "history": self.history,
         }
 

@@ -1,0 +1,78 @@
+"""Bare reference: the seeds' DDP loop, no gpuflow. Run it the same way as the worker:
+
+    torchrun --standalone --nproc_per_node=2 bench/bare_ddp.py --dataset synthetic --epochs 3
+    python bench/bare_ddp.py ...            (one process, no process group)
+
+Same model (SimpleNN), same in-memory data and global batch as gpuflow's worker; data goes
+through TensorDataset + DataLoader + DistributedSampler as hand-written scripts do. Prints
+one JSON line per epoch with samples/s, so the benchmark reads both the same way.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from training.config import TrainConfig  # noqa: E402  (data only, to feed identical tensors)
+from training.data import load_data  # noqa: E402
+
+
+class SimpleNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(784, 256)
+        self.relu = nn.ReLU()
+        self.fc2 = nn.Linear(256, 10)
+
+    def forward(self, x):
+        return self.fc2(self.relu(self.fc1(x.view(x.size(0), -1))))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--dataset", default="synthetic")
+    p.add_argument("--synthetic-size", type=int, default=4096)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=64)
+    args = p.parse_args()
+    ddp = "RANK" in os.environ
+    if ddp:
+        dist.init_process_group("gloo")
+    rank, world = (dist.get_rank(), dist.get_world_size()) if ddp else (0, 1)
+    torch.manual_seed(42)
+    bundle = load_data(TrainConfig(dataset=args.dataset, synthetic_size=args.synthetic_size))
+    dataset = TensorDataset(bundle.train.x, bundle.train.y)
+    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=42)
+    loader = DataLoader(dataset, batch_size=args.batch_size // world, sampler=sampler)
+    model = SimpleNN()
+    model = DDP(model) if ddp else model
+    criterion = nn.CrossEntropyLoss()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.001)
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)
+        start, seen = time.perf_counter(), 0
+        for inputs, labels in loader:
+            optimizer.zero_grad()
+            loss = criterion(model(inputs), labels)
+            loss.backward()
+            optimizer.step()
+            seen += len(labels)
+        elapsed = time.perf_counter() - start
+        if rank == 0:
+            print(json.dumps({"epoch": epoch + 1, "samples_per_s": seen * world / elapsed,
+                              "loss": loss.item()}), flush=True)
+    if ddp:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

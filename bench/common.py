@@ -1,0 +1,62 @@
+"""Helpers shared by the benchmarks: run commands, time them, summarise repeats."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+TORCHRUN = [PY, "-m", "torch.distributed.run", "--standalone"]
+
+
+def env(**extra) -> dict:
+    e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    for k in ("MLFLOW_RUN_ID", "GPUFLOW_FAULT"):
+        e.pop(k, None)
+    e.update({k: str(v) for k, v in extra.items()})
+    return e
+
+
+def run(cmd: list[str], cwd: Path = ROOT, timeout: float = 600, **extra_env) -> tuple[float, str]:
+    """Run cmd; return (wall seconds, stdout). Raises with the output tail on failure."""
+    start = time.perf_counter()
+    p = subprocess.run(cmd, cwd=cwd, env=env(**extra_env), capture_output=True, text=True,
+                       timeout=timeout)
+    wall = time.perf_counter() - start
+    if p.returncode != 0:
+        raise RuntimeError(f"{' '.join(map(str, cmd))} failed:\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
+    return wall, p.stdout
+
+
+def json_lines(text: str) -> list[dict]:
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("{") and line.endswith("}"):
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+    return out
+
+
+def summary(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def fmt(s: dict, digits: int = 0) -> str:
+    return f"{s['median']:.{digits}f} ({s['min']:.{digits}f}-{s['max']:.{digits}f})"
+
+
+def machine() -> str:
+    import torch
+
+    return (f"{platform.node()} · {os.cpu_count()} CPUs · {platform.python_version()} · "
+            f"torch {torch.__version__} · CUDA available: {torch.cuda.is_available()}")

@@ -1,0 +1,131 @@
+"""Orchestration overhead: the whole pipeline vs the bare script for the same small job.
+
+Job: the default (mlp on digits, 3 epochs, DDP over gloo with 2 processes on this CPU host).
+Pipeline = probe, assign, data, MLflow run, launch, logging, registration, with the Prefect
+API either ephemeral (started by the run) or a `prefect server` already running on loopback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from bench.common import PY, ROOT, TORCHRUN, env, fmt, run, summary
+
+
+def job_args(a) -> list[str]:
+    return ["--dataset", a.dataset, "--synthetic-size", str(a.size), "--epochs", str(a.epochs)]
+
+
+def bare(a) -> float:
+    wall, _ = run([*TORCHRUN, "--nproc_per_node=2", str(ROOT / "bench" / "bare_ddp.py"), *job_args(a)])
+    return wall
+
+
+def pipeline(tmp: Path, a, api_url: str | None) -> tuple[float, dict]:
+    extra = {"PREFECT_HOME": str(tmp / "prefect-home"),
+             "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180"}
+    if api_url:
+        extra["PREFECT_API_URL"] = api_url
+    wall, out = run([PY, "-m", "flows.train", *job_args(a), "--runs-dir", str(tmp / "runs"),
+                     "--tracking-uri", f"sqlite:///{tmp / 'mlflow.db'}"], cwd=tmp, **extra)
+    summary_json = json.loads(out[out.index("{"):out.rindex("}") + 1])
+    return wall, summary_json["timings"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class PrefectServer:
+    """`prefect server start` on a free loopback port with its own PREFECT_HOME."""
+
+    def __init__(self, home: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/api"
+        self.proc = subprocess.Popen([PY, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
+                                      "--port", str(self.port)], env=env(PREFECT_HOME=str(home)),
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def wait(self, timeout: float = 120) -> float:
+        start = time.perf_counter()
+        while time.perf_counter() - start < timeout:
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return time.perf_counter() - start
+            except OSError:
+                time.sleep(0.5)
+        raise TimeoutError(f"prefect server on {self.url} not healthy in {timeout}s")
+
+    def stop(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--dataset", default="digits")
+    p.add_argument("--size", type=int, default=4096, help="samples, for --dataset synthetic")
+    a = p.parse_args(argv)
+    walls: dict[str, list[float]] = {"bare": [], "ephemeral": [], "server": []}
+    steps: dict[str, list[dict]] = {"ephemeral": [], "server": []}
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        server = PrefectServer(tmp / "server-home")
+        try:
+            startup = server.wait()
+            for i in range(a.repeats):
+                walls["bare"].append(bare(a))
+                for mode, url in (("ephemeral", None), ("server", server.url)):
+                    work = tmp / f"{mode}-{i}"
+                    work.mkdir()
+                    wall, timings = pipeline(work, a, url)
+                    walls[mode].append(wall)
+                    steps[mode].append(timings)
+                print({k: round(v[-1], 1) for k, v in walls.items()}, flush=True)
+        finally:
+            server.stop()
+    return {"args": vars(a), "server_startup_s": startup,
+            "walls": {k: summary(v) for k, v in walls.items()}, "steps": steps}
+
+
+def table(res: dict) -> str:
+    b = res["walls"]["bare"]["median"]
+    a = res["args"]
+    job = a["dataset"] + (f" ({a['size']} samples)" if a["dataset"] == "synthetic" else "")
+    rows = [f"Job: mlp on {job}, {a['epochs']} epochs, DDP 2 x gloo; {a['repeats']} repeats; "
+            f"prefect server became healthy in {res['server_startup_s']:.1f} s.", "","| job | wall s, median (min-max) | / bare |", "|---|---|---|",
+            f"| bare torchrun script | {fmt(res['walls']['bare'], 1)} | 1.00 |"]
+    for mode, label in (("ephemeral", "pipeline, ephemeral Prefect API"),
+                        ("server", "pipeline, running Prefect server (goal <= 1.3)")):
+        w = res["walls"][mode]
+        rows.append(f"| {label} | {fmt(w, 1)} | {w['median'] / b:.2f} |")
+    names = list(res["steps"]["server"][0])
+    rows += ["", "Per-step seconds (median over repeats), measured inside the flow:", "",
+             "| step | " + " | ".join(names) + " | outside steps (process start, imports, API) |",
+             "|---" * (len(names) + 2) + "|"]
+    import statistics
+
+    for mode in ("ephemeral", "server"):
+        med = {n: statistics.median(s[n] for s in res["steps"][mode]) for n in names}
+        outside = res["walls"][mode]["median"] - sum(med.values())
+        rows.append(f"| {mode} | " + " | ".join(f"{med[n]:.2f}" for n in names) + f" | {outside:.1f} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(table(main()))

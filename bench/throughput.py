@@ -1,0 +1,83 @@
+"""Training-loop throughput: gpuflow's worker vs the bare seeds-style script vs Lightning.
+
+Same model (SimpleNN), data (synthetic, in memory), global batch, fp32, world size; the three
+run interleaved in every repeat so machine noise hits all alike. Per run: median samples/s
+of epochs 2..E (epoch 1 warms up). Reported: median over repeats and min-max.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+from bench.common import PY, ROOT, TORCHRUN, fmt, json_lines, run, summary
+
+
+def ours(world: int, a, tmp: Path) -> float:
+    cfg = {"dataset": "synthetic", "synthetic_size": a.size, "epochs": a.epochs, "batch_size": a.batch,
+           "model": "mlp", "resume": "never", "checkpoint_dir": str(tmp / "ck"),
+           "strategy": "ddp" if world > 1 else "single", "device": "cpu"}
+    (tmp / "cfg.json").write_text(json.dumps(cfg))
+    launcher = [*TORCHRUN, f"--nproc_per_node={world}"] if world > 1 else [PY]
+    run([*launcher, "-m", "training", "--config", str(tmp / "cfg.json")])
+    hist = json.loads((tmp / "result.json").read_text())["history"]
+    return statistics.median(h["samples_per_s"] for h in hist[1:])
+
+
+def script(name: str, world: int, a) -> float:
+    launcher = [*TORCHRUN, f"--nproc_per_node={world}"] if world > 1 else [PY]
+    _, out = run([*launcher, str(ROOT / "bench" / name), "--synthetic-size", str(a.size),
+                  "--epochs", str(a.epochs), "--batch-size", str(a.batch)])
+    rates = [r["samples_per_s"] for r in json_lines(out) if "samples_per_s" in r]
+    return statistics.median(rates[1:])
+
+
+def have_lightning() -> bool:
+    try:
+        import lightning  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--size", type=int, default=16384)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--worlds", default="1,2")
+    a = p.parse_args(argv)
+    tools = ["ours", "bare"] + (["lightning"] if have_lightning() else [])
+    results: dict = {}
+    for world in map(int, a.worlds.split(",")):
+        rates: dict[str, list[float]] = {t: [] for t in tools}
+        for _ in range(a.repeats):
+            with tempfile.TemporaryDirectory() as d:
+                rates["ours"].append(ours(world, a, Path(d)))
+            rates["bare"].append(script("bare_ddp.py", world, a))
+            if "lightning" in tools:
+                rates["lightning"].append(script("lightning_ref.py", world, a))
+        results[world] = {t: summary(v) for t, v in rates.items()}
+        r = results[world]
+        print(f"world {world}: " + ", ".join(f"{t} {fmt(r[t])}" for t in tools), flush=True)
+    return {"args": vars(a), "results": results}
+
+
+def table(res: dict) -> str:
+    rows = ["| world | gpuflow samples/s | bare samples/s | ours/bare (goal >= 0.98) | Lightning samples/s | ours/Lightning (goal >= 1.0) |",
+            "|---|---|---|---|---|---|"]
+    for world, r in res["results"].items():
+        ob = r["ours"]["median"] / r["bare"]["median"]
+        lt = r.get("lightning")
+        ol = f"{r['ours']['median'] / lt['median']:.2f}" if lt else "n/a (lightning not installed)"
+        rows.append(f"| {world} | {fmt(r['ours'])} | {fmt(r['bare'])} | {ob:.2f} | "
+                    f"{fmt(lt) if lt else 'n/a'} | {ol} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(table(main()))

@@ -1,0 +1,63 @@
+"""Tracking overhead: the worker's training loop with MLflow logging on (rank 0 attached to
+a run in a SQLite store, metrics every epoch) against off, interleaved, same job."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+from bench.common import PY, TORCHRUN, fmt, run, summary
+
+
+def one(tmp: Path, a, run_id: str | None, uri: str) -> float:
+    cfg = {"dataset": "synthetic", "synthetic_size": a.size, "epochs": a.epochs, "model": a.model,
+           "resume": "never", "checkpoint_dir": str(tmp / "ck"), "strategy": "ddp", "device": "cpu"}
+    (tmp / "cfg.json").write_text(json.dumps(cfg))
+    extra = {"MLFLOW_TRACKING_URI": uri, **({"MLFLOW_RUN_ID": run_id} if run_id else {})}
+    run([*TORCHRUN, "--nproc_per_node=2", "-m", "training", "--config", str(tmp / "cfg.json")], **extra)
+    return json.loads((tmp / "result.json").read_text())["train_time_s"]
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--size", type=int, default=8192)
+    p.add_argument("--model", default="cnn")
+    a = p.parse_args(argv)
+    import mlflow
+
+    on, off = [], []
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        uri = f"sqlite:///{tmp / 'mlflow.db'}"
+        from tasks.track import prepare_store
+
+        prepare_store(uri)
+        client = mlflow.MlflowClient()
+        exp = client.create_experiment("bench-tracking")
+        for i in range(a.repeats):
+            rid = client.create_run(exp).info.run_id
+            off.append(one(tmp, a, None, uri))
+            on.append(one(tmp, a, rid, uri))
+            client.set_terminated(rid)
+            assert len(client.get_metric_history(rid, "train_loss")) == a.epochs
+    return {"args": vars(a), "on": summary(on), "off": summary(off)}
+
+
+def table(res: dict) -> str:
+    on, off = res["on"]["median"], res["off"]["median"]
+    a = res["args"]
+    return "\n".join([
+        "| training loop (train+eval+checkpoint+logging) | seconds, median (min-max) |", "|---|---|",
+        f"| MLflow logging off | {fmt(res['off'], 2)} |",
+        f"| MLflow logging on (rank 0, every epoch) | {fmt(res['on'], 2)} |",
+        f"| overhead (goal < 1%) | {100 * (on - off) / off:+.1f}% |",
+        "", f"Job: {a['model']} on {a['size']} synthetic samples, {a['epochs']} epochs, DDP 2 x gloo.",
+    ])
+
+
+if __name__ == "__main__":
+    print(table(main()))
