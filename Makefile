@@ -32,7 +32,7 @@ ui: $(VENV_OK)           ## the MLflow UI on 127.0.0.1:5000 over mlflow.db
 	.venv/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db --host $(HOST) --port 5000
 
 bench: $(VENV_OK)        ## CPU benchmarks, results in bench/RESULTS.md
-	$(PY) -m pip install -q lightning  # bench extra: the Lightning comparison
+	$(PY) -m pip install -q -e '.[bench]'  # the Lightning comparison (a bench extra only)
 	$(PY) -m bench.run_all $(ARGS)
 
 clean:

@@ -37,13 +37,17 @@ class SimpleNN(nn.Module):
         return self.fc2(self.relu(self.fc1(x.view(x.size(0), -1))))
 
 
-def main():
+def parse_args():
     p = argparse.ArgumentParser()
     p.add_argument("--dataset", default="synthetic")
     p.add_argument("--synthetic-size", type=int, default=4096)
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=64)
-    args = p.parse_args()
+    return p.parse_args()
+
+
+def main():
+    args = parse_args()
     ddp = "RANK" in os.environ
     if ddp:
         dist.init_process_group("gloo")

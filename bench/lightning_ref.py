@@ -3,7 +3,6 @@
     torchrun --standalone --nproc_per_node=2 bench/lightning_ref.py --epochs 4
 """
 
-import argparse
 import json
 import os
 import sys
@@ -16,7 +15,7 @@ import torch.nn as nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.bare_ddp import SimpleNN  # noqa: E402
+from bench.bare_ddp import SimpleNN, parse_args  # noqa: E402
 from training.config import TrainConfig  # noqa: E402
 from training.data import load_data  # noqa: E402
 
@@ -52,12 +51,7 @@ class Throughput(L.Callback):
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--dataset", default="synthetic")
-    p.add_argument("--synthetic-size", type=int, default=4096)
-    p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--batch-size", type=int, default=64)
-    args = p.parse_args()
+    args = parse_args()
     world = int(os.environ.get("WORLD_SIZE", 1))
     torch.manual_seed(42)
     b = load_data(TrainConfig(dataset=args.dataset, synthetic_size=args.synthetic_size))

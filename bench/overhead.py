@@ -9,14 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
-import subprocess
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
 from bench.common import PY, ROOT, TORCHRUN, env, fmt, run, summary
+from tests.servers import prefect_server
 
 
 def job_args(a) -> list[str]:
@@ -39,41 +36,6 @@ def pipeline(tmp: Path, a, api_url: str | None) -> tuple[float, dict]:
     return wall, summary_json["timings"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class PrefectServer:
-    """`prefect server start` on a free loopback port with its own PREFECT_HOME."""
-
-    def __init__(self, home: Path):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}/api"
-        self.proc = subprocess.Popen([PY, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-                                      "--port", str(self.port)], env=env(PREFECT_HOME=str(home)),
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-    def wait(self, timeout: float = 120) -> float:
-        start = time.perf_counter()
-        while time.perf_counter() - start < timeout:
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return time.perf_counter() - start
-            except OSError:
-                time.sleep(0.5)
-        raise TimeoutError(f"prefect server on {self.url} not healthy in {timeout}s")
-
-    def stop(self):
-        self.proc.terminate()
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-
-
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--repeats", type=int, default=2)
@@ -85,20 +47,19 @@ def main(argv=None) -> dict:
     steps: dict[str, list[dict]] = {"ephemeral": [], "server": []}
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        server = PrefectServer(tmp / "server-home")
-        try:
-            startup = server.wait()
+        (tmp / "server-home").mkdir()
+        server, url = prefect_server(tmp / "server-home", env())
+        with server:
+            startup = server.startup_s
             for i in range(a.repeats):
                 walls["bare"].append(bare(a))
-                for mode, url in (("ephemeral", None), ("server", server.url)):
+                for mode, api in (("ephemeral", None), ("server", url)):
                     work = tmp / f"{mode}-{i}"
                     work.mkdir()
-                    wall, timings = pipeline(work, a, url)
+                    wall, timings = pipeline(work, a, api)
                     walls[mode].append(wall)
                     steps[mode].append(timings)
                 print({k: round(v[-1], 1) for k, v in walls.items()}, flush=True)
-        finally:
-            server.stop()
     return {"args": vars(a), "server_startup_s": startup,
             "walls": {k: summary(v) for k, v in walls.items()}, "steps": steps}
 

@@ -48,6 +48,7 @@ class PipelineParams(TrainConfig):
                              "the same on every node")
         if self.node_rank >= self.nnodes:
             raise ValueError(f"node_rank {self.node_rank} must be below nnodes {self.nnodes}")
+        self.device_request()  # the device request's own checks (gpus form, duplicates) now
         return self
 
     def device_request(self) -> DeviceRequest:

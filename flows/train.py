@@ -5,6 +5,7 @@ Run it with `gpuflow run` (or `python -m flows.train --help`), or as a deploymen
 
 from __future__ import annotations
 
+import socket
 import time
 import uuid
 from contextlib import contextmanager
@@ -12,6 +13,7 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
+from prefect.concurrency.sync import concurrency
 from prefect.runtime import deployment, flow_run
 
 from tasks.assign import CardLocks, DevicePlan, assign_devices
@@ -22,6 +24,9 @@ from tasks.track import default_tracking_uri, end_run, git_commit, log_json, log
 from tasks.track import prepare_store, prewarm, start_run
 
 from .params import PipelineParams
+
+
+DEVICE_LIMIT = "gpuflow-devices-{host}"
 
 
 class StepTimer:
@@ -65,6 +70,13 @@ def train_pipeline(
     Every parameter is a field of PipelineParams (flows/params.py), validated before any work.
     """
     params = PipelineParams(**{k: v for k, v in locals().items()})
+    # Served runs on one host queue here (the limit is created by flows/serve.py); without
+    # the limit, as with `make run`, this passes straight through.
+    with concurrency(DEVICE_LIMIT.format(host=socket.gethostname()), occupy=1, strict=False):
+        return _pipeline(params)
+
+
+def _pipeline(params: PipelineParams) -> dict:
     timer = StepTimer()
     with timer("probe"):
         report = probe_environment()

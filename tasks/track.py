@@ -84,6 +84,25 @@ def flat_params(d: dict, prefix: str = "") -> dict[str, str]:
     return out
 
 
+def ensure_experiment(name: str) -> str:
+    """Set the experiment, creating it if needed; on SQLite its artifacts live beside the db
+    (mlartifacts/), not in whatever folder the flow happened to start in."""
+    import mlflow
+
+    client = mlflow.MlflowClient()
+    exp = client.get_experiment_by_name(name)
+    if exp is None:
+        uri = mlflow.get_tracking_uri()
+        location = None
+        if uri.startswith("sqlite:///"):
+            location = str(Path(uri.removeprefix("sqlite:///")).resolve().parent / "mlartifacts" / name)
+        try:
+            client.create_experiment(name, artifact_location=location)
+        except Exception:  # created concurrently by another run: use theirs
+            pass
+    return mlflow.set_experiment(name).experiment_id
+
+
 def start_run(experiment: str, run_name: str, params: dict, tags: dict, dataset,
               system_metrics_interval: float = 2.0) -> str:
     """Create the run (active in this thread), log params, tags and the dataset input."""
@@ -91,7 +110,7 @@ def start_run(experiment: str, run_name: str, params: dict, tags: dict, dataset,
     from mlflow.data.code_dataset_source import CodeDatasetSource
     from mlflow.data.meta_dataset import MetaDataset
 
-    mlflow.set_experiment(experiment)
+    ensure_experiment(experiment)
     mlflow.set_system_metrics_sampling_interval(system_metrics_interval)
     run = mlflow.start_run(run_name=run_name, tags={k: str(v) for k, v in tags.items() if v is not None},
                            log_system_metrics=True)

@@ -237,3 +237,20 @@ def test_report_is_json_serialisable():
     report = host(2, cvd="1")
     again = EnvironmentReport.model_validate_json(report.model_dump_json())
     assert again == report and again.visible_physical_ids() == [1]
+
+
+def test_gpuflow_probe_command_prints_json_and_a_table():
+    gpuflow = [sys.executable, "-m", "flows.cli"]
+    out = subprocess.run([*gpuflow, "probe", "--json"], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout
+    report = EnvironmentReport.model_validate_json(out)
+    assert report.cpu_count == os.cpu_count() and report.backends["gloo"]
+    table = subprocess.run([*gpuflow, "probe"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert report.hostname in table and "backends:" in table
+
+
+def test_gpuflow_run_refuses_bad_values_before_starting_anything():
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", "run", "--gpus", "1,1"], cwd=ROOT,
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "names GPU 1 twice" in proc.stderr
+    assert "Starting temporary server" not in proc.stderr + proc.stdout

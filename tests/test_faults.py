@@ -194,3 +194,46 @@ def test_servers_in_the_makefile_bind_to_loopback():
     for line in text.splitlines():
         if "server start" in line or "mlflow ui" in line or "mlflow server" in line:
             assert "--host $(HOST)" in line, line
+
+
+def test_sigterm_to_a_running_pipeline_marks_the_run_killed_and_stops_training(tmp_path):
+    import signal
+    import sqlite3
+    import subprocess
+    import sys
+
+    import psutil
+
+    from tests.helpers import child_env
+
+    db = tmp_path / "mlflow.db"
+    cmd = [sys.executable, "-m", "flows.train", "--dataset", "synthetic", "--synthetic-size", "60000",
+           "--epochs", "50", "--gpus", "cpu", "--tracking-uri", f"sqlite:///{db}",
+           "--runs-dir", str(tmp_path / "runs")]
+    env = child_env(PREFECT_HOME=str(tmp_path / "ph"), PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180")
+    env.pop("PREFECT_API_URL", None)
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+
+    def first_epoch_logged() -> bool:
+        if not db.exists():
+            return False
+        try:
+            with sqlite3.connect(db, timeout=5) as c:
+                return bool(c.execute("select 1 from metrics where key='train_loss'").fetchone())
+        except sqlite3.OperationalError:
+            return False
+
+    deadline = time.monotonic() + 240
+    while not first_epoch_logged():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
+        time.sleep(1)
+    workers = [p for p in psutil.Process(proc.pid).children(recursive=True)]
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(120)
+    assert proc.returncode != 0
+    mlflow.set_tracking_uri(f"sqlite:///{db}")
+    runs = mlflow.search_runs(search_all_experiments=True, output_format="list")
+    assert [r.info.status for r in runs] == ["KILLED"]
+    gone, alive = psutil.wait_procs(workers, timeout=30)
+    assert not alive, [p.cmdline() for p in alive]

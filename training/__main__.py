@@ -48,6 +48,9 @@ def run(config_path: str, result_path: str | None) -> dict:
         if ctx.is_main:
             out = Path(result_path or Path(config_path).with_name("result.json"))
             write_json_atomic(out, result)
+        # Leave together: a rank that tears gloo down while rank 0 still flushes MLflow and
+        # writes result.json can abort (SIGABRT) on the half-closed connection.
+        distributed.barrier(ctx)
         return result
     finally:
         distributed.teardown()

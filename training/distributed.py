@@ -105,6 +105,11 @@ def all_reduce_sum(values: list[float], ctx: DistContext) -> list[float]:
     return t.tolist()
 
 
+def barrier(ctx: DistContext) -> None:
+    if ctx.distributed and dist.is_initialized():
+        dist.barrier()
+
+
 def teardown() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

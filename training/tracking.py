@@ -16,7 +16,6 @@ class MetricsSink:
         self._client = None
         self._ready: threading.Thread | None = None
         self._error: Exception | None = None
-        self._pending: list = []
         if self.run_id:  # mlflow takes ~1.2 s to import: do it while data loads and ranks meet
             self._ready = threading.Thread(target=self._connect, daemon=True)
             self._ready.start()
@@ -28,6 +27,11 @@ class MetricsSink:
             self._client = MlflowClient()
         except Exception as e:  # reported once, at the first log_epoch
             self._error = e
+
+    def wait_ready(self) -> None:
+        """Finish connecting (startup work) before the training loop starts."""
+        if self._ready:
+            self._ready.join()
 
     def log_epoch(self, epoch: int, metrics: dict[str, float]) -> None:
         if not self._ready:
@@ -42,16 +46,9 @@ class MetricsSink:
 
         now = int(time.time() * 1000)
         batch = [Metric(k, float(v), now, epoch) for k, v in metrics.items()]
-        try:  # queued: the write happens off the training loop; close() waits for it
-            self._pending.append(self._client.log_batch(self.run_id, metrics=batch, synchronous=False))
+        # Synchronous on purpose: one SQLite write is 10-20 ms an epoch, while MLflow's async
+        # queue costs ~2 s at process exit (measured, see bench/RESULTS.md).
+        try:
+            self._client.log_batch(self.run_id, metrics=batch, synchronous=True)
         except Exception as e:  # tracking trouble must not kill training; result.json keeps all
             print(f"[rank 0] warning: could not log metrics to MLflow: {e}", file=sys.stderr)
-
-    def close(self) -> None:
-        """Wait until every queued metric is written (before the process exits)."""
-        for op in self._pending:
-            try:
-                op.wait()
-            except Exception as e:
-                print(f"[rank 0] warning: could not log metrics to MLflow: {e}", file=sys.stderr)
-        self._pending.clear()

@@ -226,6 +226,7 @@ class Trainer:
         return {"val_loss": total / n, "val_accuracy": right / n}
 
     def train(self) -> dict:
+        self.sink.wait_ready()  # its import overlapped data loading; keep it out of the loop
         start = time.perf_counter()
         for epoch in range(self.epochs_run, self.cfg.epochs):
             metrics = self._run_epoch(epoch)
@@ -240,7 +241,6 @@ class Trainer:
                 f"val_loss {metrics['val_loss']:.4f} val_acc {metrics['val_accuracy']:.4f} "
                 f"{metrics['samples_per_s']:.0f} samples/s"
             )
-        self.sink.close()
         self.train_time_s = time.perf_counter() - start
         return self.result()
 
@@ -256,6 +256,8 @@ class Trainer:
             "resumed_from": self.resumed_from,
             "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
             "train_time_s": self.train_time_s,
+            "peak_memory_mb": (torch.cuda.max_memory_allocated(self.device) / 2**20
+                               if self.device.type == "cuda" else None),
             "history": self.history,
         }
 

@@ -1,0 +1,153 @@
+"""Deployments, retraining, inference and the MLflow UI, against real servers on loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import mlflow
+import pytest
+
+from flows.infer import evaluate_model
+from flows.retrain import retrain
+from flows.train import train_pipeline
+from tests.helpers import ROOT
+from tests.servers import BIN, ServerProcess, mlflow_server, prefect_server
+
+QUICK = dict(epochs=2, dataset="digits", model="mlp", gpus="cpu")
+
+
+def _prefect(args: list[str], env: dict, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "prefect"), *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_served_ddp_deployment_runs_from_the_cli_and_logs_to_mlflow(tmp_path):
+    """make server + make serve + `prefect deployment run 'train-pipeline/ddp' --watch`."""
+    home = tmp_path / "prefect-home"
+    home.mkdir()
+    server, api = prefect_server(home)
+    env = dict(os.environ, PREFECT_API_URL=api, PREFECT_HOME=str(home), OMP_NUM_THREADS="1")
+    db = tmp_path / "mlflow.db"
+    with server:
+        serve_cmd = [sys.executable, "-m", "flows.serve"]
+        with ServerProcess(serve_cmd, api + "/health", env, tmp_path / "serve.log", cwd=ROOT) as serving:
+            deadline = time.monotonic() + 120
+            while _prefect(["deployment", "inspect", "train-pipeline/ddp"], env).returncode != 0:
+                assert time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
+                time.sleep(2)
+            run = _prefect(["deployment", "run", "train-pipeline/ddp", "-p", "epochs=2",
+                            "-p", f"tracking_uri=sqlite:///{db}", "-p", f"runs_dir={tmp_path / 'runs'}",
+                            "-p", "gpus=cpu", "--watch"], env, timeout=400)
+            assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:] + \
+                (tmp_path / "serve.log").read_text()[-3000:]
+            limit = _prefect(["global-concurrency-limit", "inspect",
+                              f"gpuflow-devices-{socket.gethostname()}"], env)
+            nightly = _prefect(["deployment", "inspect", "retrain/nightly"], env).stdout
+            assert serving.proc.poll() is None
+    assert limit.returncode == 0 and "limit=1" in limit.stdout, limit.stdout
+    assert "0 2 * * *" in nightly
+    mlflow.set_tracking_uri(f"sqlite:///{db}")
+    client = mlflow.MlflowClient()
+    runs = client.search_runs([client.get_experiment_by_name("gpuflow").experiment_id])
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    assert runs[0].data.tags["prefect.deployment"] == "ddp" and runs[0].data.tags["world_size"] == "2"
+    assert len(client.get_metric_history(runs[0].info.run_id, "val_accuracy")) == 2
+    assert client.search_model_versions(f"run_id='{runs[0].info.run_id}'")
+
+
+@pytest.fixture(scope="module")
+def retrained(prefect_api, tmp_path_factory):
+    """Retrain twice against one store: a good first model, then a worse challenger (1 epoch,
+    tiny learning rate) that must not take the champion alias."""
+    base = tmp_path_factory.mktemp("retrain")
+    store = dict(tracking_uri=f"sqlite:///{base / 'mlflow.db'}", runs_dir=str(base / "runs"))
+    first = retrain(**QUICK, **store)
+    second = retrain(**{**QUICK, "epochs": 1}, lr=1e-6, **store)
+    return base, store, first, second
+
+
+def test_first_retrain_promotes_and_a_worse_challenger_does_not(retrained):
+    _, store, first, second = retrained
+    assert first["promoted"] and first["retrain.champion_version"] == "none"
+    mlflow.set_tracking_uri(store["tracking_uri"])
+    client = mlflow.MlflowClient()
+    champion = client.get_model_version_by_alias("gpuflow-model", "champion")
+    assert not second["promoted"] and second["retrain.decision"] == "kept champion"
+    assert str(champion.version) == first["retrain.challenger_version"]
+    assert float(second["retrain.challenger_score"]) < float(second["retrain.champion_score"])
+    tags = client.get_run(second["run_id"]).data.tags
+    assert tags["retrain.decision"] == "kept champion" and tags["retrain.champion_version"] == "1"
+    versions = client.search_model_versions("name='gpuflow-model'")
+    assert sorted(int(v.version) for v in versions) == [1, 2]  # one version per run
+
+
+def test_inference_on_a_chosen_device_reproduces_the_logged_accuracy(retrained):
+    _, store, first, _ = retrained
+    out = evaluate_model(version="champion", gpus="cpu", tracking_uri=store["tracking_uri"])
+    mlflow.set_tracking_uri(store["tracking_uri"])
+    logged = mlflow.MlflowClient().get_run(first["run_id"]).data.metrics["val_accuracy"]
+    assert out["version"] == "1" and out["device"] == "cpu" and out["samples"] == 359
+    assert out["accuracy"] == pytest.approx(logged, abs=1e-6)
+
+
+@pytest.mark.gpu
+def test_inference_on_a_physical_gpu(retrained):
+    from tasks.probe import read_environment
+
+    gpu = read_environment().gpus[-1].index
+    _, store, _, _ = retrained
+    out = evaluate_model(version="1", gpus=f"{gpu},", tracking_uri=store["tracking_uri"])
+    assert out["device"] == "cuda:0" and out["cuda_visible_devices"] == str(gpu)
+
+
+@pytest.fixture(scope="module")
+def mlflow_ui(retrained):
+    base, _, first, _ = retrained
+    server, url = mlflow_server(base / "mlflow.db", base / "mlflow-server.log")
+    with server:
+        yield url, first["run_id"]
+
+
+def _get(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=30) as r:
+        return json.loads(r.read())
+
+
+def test_mlflow_server_serves_the_run_its_history_and_artifacts(mlflow_ui):
+    url, run_id = mlflow_ui
+    run = _get(f"{url}/api/2.0/mlflow/runs/get?run_id={run_id}")["run"]
+    assert run["info"]["status"] == "FINISHED"
+    hist = _get(f"{url}/api/2.0/mlflow/metrics/get-history?run_id={run_id}&metric_key=val_accuracy")
+    assert [m["step"] for m in hist["metrics"]] == [1, 2]
+    arts = _get(f"{url}/api/2.0/mlflow/artifacts/list?run_id={run_id}&path=checkpoints")
+    assert [f["path"] for f in arts["files"]] == ["checkpoints/epoch-0002.pt"]
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROME_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                "--virtual-time-budget=25000", "--window-size=1400,900"]
+
+
+@pytest.mark.skipif(not CHROMIUM, reason="chromium is not installed (.ci/run installs Debian's chromium)")
+def test_mlflow_ui_shows_the_run_page_in_a_headless_browser(mlflow_ui, tmp_path):
+    url, run_id = mlflow_ui
+    run = _get(f"{url}/api/2.0/mlflow/runs/get?run_id={run_id}")["run"]
+    page = f"{url}/#/experiments/{run['info']['experiment_id']}/runs/{run_id}"
+    profile = ["--user-data-dir=" + str(tmp_path / "profile")]
+    dom = subprocess.run([CHROMIUM, *CHROME_FLAGS, *profile, "--dump-dom", page], capture_output=True,
+                         text=True, timeout=120).stdout
+    assert run["info"]["run_name"] in dom, dom[-2000:]
+    shot = tmp_path / "run-page.png"
+    subprocess.run([CHROMIUM, *CHROME_FLAGS, *profile, f"--screenshot={shot}", page],
+                   capture_output=True, timeout=120)
+    assert shot.is_file() and shot.stat().st_size > 10_000
