@@ -71,6 +71,22 @@ def print_report(report) -> None:
         con.print(f"[yellow]warning:[/] {w}")
 
 
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM into SystemExit(143).
+
+    After the flow handles SIGTERM (run marked KILLED, workers stopped), Prefect re-sends the
+    signal to the previous handler; with Python's default one the process dies on the spot,
+    atexit never runs, and the ephemeral Prefect API server is left behind. This handler
+    makes the exit a normal one, so that server is stopped too.
+    """
+    import signal
+
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = vars(parser().parse_args(argv))
     command = args.pop("command")
@@ -89,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from .train import train_pipeline
 
+    exit_on_sigterm()
     out = train_pipeline(**args)
     summary = {k: out.get(k) for k in ("run_id", "status", "model_version", "epochs_run",
                                        "world_size", "final_metrics", "timings")}

@@ -72,6 +72,9 @@ def main(argv=None) -> int:
     p.add_argument("--data-root")
     p.add_argument("--tracking-uri")
     a = vars(p.parse_args(argv))
+    from .cli import exit_on_sigterm
+
+    exit_on_sigterm()
     print(json.dumps(evaluate_model(**a), indent=2))
     return 0
 

@@ -151,3 +151,36 @@ def test_mlflow_ui_shows_the_run_page_in_a_headless_browser(mlflow_ui, tmp_path)
     subprocess.run([CHROMIUM, *CHROME_FLAGS, *profile, f"--screenshot={shot}", page],
                    capture_output=True, timeout=120)
     assert shot.is_file() and shot.stat().st_size > 10_000
+
+
+def test_runs_on_one_host_queue_on_the_device_limit_instead_of_training_together(prefect_api, store):
+    import threading
+
+    from prefect.client.orchestration import get_client
+
+    from flows.serve import ensure_device_limit
+
+    name = ensure_device_limit()
+    errors: list[BaseException] = []
+
+    def one(seed):
+        try:
+            train_pipeline(**QUICK, strategy="single", seed=seed, **store)
+        except BaseException as e:
+            errors.append(e)
+
+    try:
+        threads = [threading.Thread(target=one, args=(s,)) for s in (1, 2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(600)
+    finally:
+        with get_client(sync_client=True) as client:
+            client.delete_global_concurrency_limit_by_name(name)
+    assert not errors, errors
+    mlflow.set_tracking_uri(store["tracking_uri"])
+    runs = sorted(mlflow.search_runs(search_all_experiments=True, output_format="list"),
+                  key=lambda r: r.info.start_time)
+    assert len(runs) == 2 and all(r.info.status == "FINISHED" for r in runs)
+    assert runs[0].info.end_time <= runs[1].info.start_time  # the second waited for the first
