@@ -47,7 +47,7 @@ def main(argv=None) -> dict:
     res = {"machine": machine(), "args": vars(a), "rates": {k: summary(v) for k, v in rates.items()},
            "peak_mb": peak}
     print(json.dumps(res, indent=2))
-    print(f"| precision | samples/s | peak MiB |\n|---|---|---|\n" + "\n".join(
+    print("| precision | samples/s | peak MiB |\n|---|---|---|\n" + "\n".join(
         f"| {k} | {fmt(res['rates'][k])} | {peak[k]:.0f} |" for k in rates))
     print(f"bf16 / fp32 = {res['rates']['bf16']['median'] / res['rates']['fp32']['median']:.2f}")
     return res

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-from pathlib import Path
 
 from bench import dataload, overhead, throughput, tracking
 from bench.common import ROOT, machine

@@ -8,7 +8,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from bench.common import PY, TORCHRUN, fmt, run, summary
+from bench.common import TORCHRUN, fmt, run, summary
 
 
 def one(tmp: Path, a, run_id: str | None, uri: str) -> tuple[float, float]:
@@ -39,7 +39,7 @@ def main(argv=None) -> dict:
         prepare_store(uri)
         client = mlflow.MlflowClient()
         exp = client.create_experiment("bench-tracking")
-        for i in range(a.repeats):
+        for _ in range(a.repeats):
             rid = client.create_run(exp).info.run_id
             for runid, loop, wall in ((None, off, wall_off), (rid, on, wall_on)):
                 t, w = one(tmp, a, runid, uri)

@@ -244,7 +244,7 @@ class CardLocks:
         return True
 
     def acquire(self, plan: DevicePlan) -> None:
-        for uuid, pid in zip(plan.uuids, plan.physical_ids):
+        for uuid, pid in zip(plan.uuids, plan.physical_ids, strict=True):
             if not self.try_lock(uuid):
                 self.release()
                 raise AssignmentError(f"physical GPU {pid} was just taken by another gpuflow run; retry")

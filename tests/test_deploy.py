@@ -11,7 +11,6 @@ import sys
 import time
 import urllib.parse
 import urllib.request
-from pathlib import Path
 
 import mlflow
 import pytest

@@ -15,7 +15,7 @@ import torch
 
 from flows.params import PipelineParams
 from flows.train import train_pipeline
-from tasks.assign import DeviceRequest, assign_devices_for
+from tasks.assign import assign_devices_for
 from tasks.launch import TrainingFailed, launch
 from tasks.probe import EnvironmentReport, GpuInfo, read_environment
 from tests.helpers import ROOT, result, run_worker

@@ -15,7 +15,7 @@ import torch
 
 from flows.params import PipelineParams, user_fields
 from flows.train import train_pipeline
-from tasks.assign import DeviceRequest, assign_devices_for
+from tasks.assign import assign_devices_for
 from tasks.launch import launch
 from tasks.probe import read_environment
 from tests.helpers import ROOT, child_env

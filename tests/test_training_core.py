@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import struct
 import subprocess
 import sys
@@ -12,7 +11,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from tests.helpers import ROOT, child_env, result, run_worker
+from tests.helpers import ROOT, child_env, run_worker
 from training import TrainConfig
 from training.__main__ import run
 from training.checkpoint import CheckpointError, CheckpointStore, load_file, load_model_state

@@ -31,7 +31,7 @@ class CheckpointError(RuntimeError):
 def unwrap(model: nn.Module) -> nn.Module:
     """The plain module inside DataParallel / DDP / torch.compile wrappers."""
     while hasattr(model, "module") or hasattr(model, "_orig_mod"):
-        model = getattr(model, "module", None) or getattr(model, "_orig_mod")
+        model = getattr(model, "module", None) or model._orig_mod
     return model
 
 
