@@ -20,11 +20,12 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--full", action="store_true")
     a = p.parse_args(argv)
-    sections = []
+    sections, results = [], {}
 
     def section(title, cmd, module, args):
         print(f"== {title}: {cmd}", flush=True)
         res = module.main(args)
+        results.setdefault(module.__name__.split(".")[-1], res)
         (ROOT / "bench" / "out").mkdir(exist_ok=True)
         (ROOT / "bench" / "out" / f"{module.__name__.split('.')[-1]}-{len(sections)}.json").write_text(
             json.dumps(res, indent=2, default=str))
@@ -47,8 +48,29 @@ def main(argv=None) -> None:
             f"(`make bench`) on {datetime.date.today()}.\nMachine: {machine()}.\n"
             "Figures: median over repeats, (min-max) in brackets. Ratios use medians.\n")
     notes = NOTES.read_text() if NOTES.is_file() else ""
-    (ROOT / "bench" / "RESULTS.md").write_text("\n".join([head, *sections, notes]))
+    (ROOT / "bench" / "RESULTS.md").write_text("\n".join([head, goals(results), *sections, notes]))
     print("wrote bench/RESULTS.md")
+
+
+def goals(r: dict) -> str:
+    """The issue's goals, each with the measured figure (medians) and whether it is met."""
+    rows = ["## Summary against the goals", "", "| goal | measured | met? |", "|---|---|---|"]
+    for world, t in r["throughput"]["results"].items():
+        ob = t["ours"]["median"] / t["bare"]["median"]
+        rows.append(f"| ours / bare >= 0.98, world {world} | {ob:.2f} | {'yes' if ob >= 0.98 else 'no'} |")
+        if "lightning" in t:
+            ol = t["ours"]["median"] / t["lightning"]["median"]
+            rows.append(f"| ours / Lightning >= 1.0, world {world} | {ol:.2f} | {'yes' if ol >= 1 else 'no'} |")
+    w = r["overhead"]["walls"]
+    po = w["server"]["median"] / w["bare"]["median"]
+    rows.append(f"| pipeline / bare <= 1.3 (default job, running server) | {po:.2f} "
+                f"({w['server']['median']:.1f} s vs {w['bare']['median']:.1f} s) | {'yes' if po <= 1.3 else 'no'} |")
+    tr = r["tracking"]
+    to = 100 * (tr["on"]["median"] - tr["off"]["median"]) / tr["off"]["median"]
+    rows.append(f"| tracking overhead < 1% of the training loop | {to:+.1f}% | {'yes' if to < 1 else 'no'} |")
+    rows.append("| GPU rows (fp32 vs bf16, ours vs bare on CUDA) | `python -m bench.gpu` on a GPU host | "
+                "not run by make bench |")
+    return "\n".join(rows) + "\n"
 
 
 if __name__ == "__main__":
