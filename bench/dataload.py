@@ -37,7 +37,7 @@ def main(argv=None) -> dict:
                                sampler=DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True))
             n = len(b.train)
             rate(ours, n), rate(seeds, n)  # warm up workers
-            out[(dataset, workers)] = {
+            out[f"{dataset}/{workers}"] = {
                 "ours": summary([rate(ours, n) for _ in range(a.repeats)]),
                 "seeds": summary([rate(seeds, n) for _ in range(a.repeats)]),
             }
@@ -47,7 +47,8 @@ def main(argv=None) -> dict:
 def table(res: dict) -> str:
     rows = ["| dataset | num_workers | gpuflow batch-gather samples/s | TensorDataset+collate samples/s | ratio |",
             "|---|---|---|---|---|"]
-    for (ds, w), r in res["results"].items():
+    for key, r in res["results"].items():
+        ds, w = key.split("/")
         o, s = r["ours"]["median"], r["seeds"]["median"]
         rows.append(f"| {ds} | {w} | {o:,.0f} | {s:,.0f} | {o / s:.1f}x |")
     return "\n".join(rows)

@@ -214,3 +214,28 @@ def test_single_gpu_run_with_bf16_and_fp16(tmp_path):
     for prec in ("bf16", "fp16"):
         res = _run_inprocess(tmp_path / prec, epochs=1, precision=prec, device="cuda", **SMALL)
         assert res["device"].startswith("cuda")
+
+
+class _RandomSamples(torch.utils.data.Dataset):
+    """Each item draws from numpy's global RNG, as augmentation code does."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        import numpy as np
+
+        return torch.tensor(np.random.rand())
+
+
+def test_dataloader_workers_are_seeded_from_the_config_seed():
+    from training.data import train_loader
+
+    def draw(seed):
+        cfg = TrainConfig(seed=seed, num_workers=2, batch_size=4)
+        loader, sampler = train_loader(_RandomSamples(), cfg, 0, 1, pin=False)
+        sampler.set_epoch(0)
+        return torch.cat([b for b in loader])
+
+    assert torch.equal(draw(5), draw(5))
+    assert not torch.equal(draw(5), draw(6))

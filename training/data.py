@@ -157,9 +157,22 @@ def _load_imagefolder(cfg: TrainConfig) -> DataBundle:
 # --- loaders -------------------------------------------------------------------------
 
 
+def seed_worker(worker_id: int) -> None:
+    """Seed numpy and random in a DataLoader worker from its torch seed (set by the loader)."""
+    import random
+
+    import numpy as np
+
+    seed = torch.initial_seed() % 2**32
+    np.random.seed(seed)
+    random.seed(seed)
+
+
 def _loader(ds: Dataset, sampler, batch_size: int, cfg: TrainConfig, pin: bool) -> DataLoader:
+    # Worker seeds derive from cfg.seed: any randomness in workers is reproducible too.
     common = dict(num_workers=cfg.num_workers, pin_memory=pin,
-                  persistent_workers=cfg.num_workers > 0)
+                  persistent_workers=cfg.num_workers > 0, worker_init_fn=seed_worker,
+                  generator=torch.Generator().manual_seed(cfg.seed))
     if isinstance(ds, TensorData):
         # One __getitem__ per batch: the sampler yields lists of indices.
         return DataLoader(ds, sampler=BatchSampler(sampler, batch_size, drop_last=False),
