@@ -53,7 +53,8 @@ def main():
         dist.init_process_group("gloo")
     rank, world = (dist.get_rank(), dist.get_world_size()) if ddp else (0, 1)
     torch.manual_seed(42)
-    bundle = load_data(TrainConfig(dataset=args.dataset, synthetic_size=args.synthetic_size))
+    bundle = load_data(TrainConfig(dataset=args.dataset, synthetic_size=args.synthetic_size),
+                       fingerprint=False)
     dataset = TensorDataset(bundle.train.x, bundle.train.y)
     sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=42)
     loader = DataLoader(dataset, batch_size=args.batch_size // world, sampler=sampler)

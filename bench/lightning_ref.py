@@ -54,7 +54,7 @@ def main():
     args = parse_args()
     world = int(os.environ.get("WORLD_SIZE", 1))
     torch.manual_seed(42)
-    b = load_data(TrainConfig(dataset=args.dataset, synthetic_size=args.synthetic_size))
+    b = load_data(TrainConfig(dataset=args.dataset, synthetic_size=args.synthetic_size), fingerprint=False)
     loader = DataLoader(TensorDataset(b.train.x, b.train.y), batch_size=args.batch_size // world,
                         shuffle=True)
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy="ddp" if world > 1 else "auto",

@@ -43,7 +43,7 @@ def run(config_path: str, result_path: str | None) -> dict:
     try:
         seed_everything(cfg.seed)
         set_determinism(cfg)
-        trainer = Trainer(cfg, ctx, data.load_data(cfg), sink)
+        trainer = Trainer(cfg, ctx, data.load_data(cfg, fingerprint=False), sink)
         result = trainer.train()
         if ctx.is_main:
             out = Path(result_path or Path(config_path).with_name("result.json"))

@@ -114,12 +114,15 @@ def split_indices(n: int, val_fraction: float, seed: int) -> tuple[list[int], li
     return perm[n_val:], perm[:n_val]
 
 
-def load_data(cfg: TrainConfig) -> DataBundle:
-    """Load, split and shape the dataset named in `cfg` for `cfg.model`."""
+def load_data(cfg: TrainConfig, fingerprint: bool = True) -> DataBundle:
+    """Load, split and shape the dataset named in `cfg` for `cfg.model`.
+
+    fingerprint=False skips hashing the data (workers: the parent already recorded it).
+    """
     if cfg.dataset.startswith("imagefolder:"):
         return _load_imagefolder(cfg)
     x, y, num_classes = SOURCES[cfg.dataset](cfg)
-    fp = _fingerprint(cfg.dataset, x, y)
+    fp = _fingerprint(cfg.dataset, x, y) if fingerprint else {}
     shape = input_shape_for(cfg.model, tuple(x.shape[1:]))
     x = fit_images(x, shape)
     train_idx, val_idx = split_indices(len(y), cfg.val_fraction, cfg.split_seed)

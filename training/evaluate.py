@@ -30,7 +30,7 @@ def evaluate(checkpoint: str, split: str = "val", device: str = "auto", batch_si
         raise CheckpointError(f"checkpoint {checkpoint!r} lacks its config; it was not written by gpuflow")
     cfg = TrainConfig(**{**payload["config"], **{k: v for k, v in overrides.items() if v is not None},
                          "strategy": "single", "device_ids": None, "resume": "never"})
-    bundle = load_data(cfg)
+    bundle = load_data(cfg, fingerprint=False)
     use_cuda = device != "cpu" and torch.cuda.is_available()
     dev = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
     model = build_model(cfg.model, bundle.num_classes, bundle.input_shape)
