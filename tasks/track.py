@@ -114,11 +114,36 @@ def start_run(experiment: str, run_name: str, params: dict, tags: dict, dataset,
     mlflow.set_system_metrics_sampling_interval(system_metrics_interval)
     run = mlflow.start_run(run_name=run_name, tags={k: str(v) for k, v in tags.items() if v is not None},
                            log_system_metrics=True)
-    mlflow.log_params(flat_params(params))
-    source = CodeDatasetSource({"dataset": dataset.name, "root": str(dataset.root or "")})
-    mlflow.log_input(MetaDataset(source=source, name=dataset.name, digest=dataset.sha256[:36]),
-                     context="training", tags={"samples": str(dataset.num_samples)})
+    try:
+        mlflow.log_params(flat_params(params))
+        source = CodeDatasetSource({"dataset": dataset.name, "root": str(dataset.root or "")})
+        log_dataset(MetaDataset(source=source, name=dataset.name, digest=dataset.sha256[:36]),
+                    {"samples": str(dataset.num_samples)})
+    except BaseException as e:  # never leave a half-started run RUNNING
+        end_run(run.info.run_id, e)
+        raise
     return run.info.run_id
+
+
+def log_dataset(ds, tags: dict, attempts: int = 5) -> None:
+    """`mlflow.log_input`, retried when a concurrent run inserted the same dataset first.
+
+    MLflow's SQL store looks the (experiment, name, digest) row up and then inserts it, so
+    two runs starting together on one store can both miss it and the second insert fails
+    the UNIQUE constraint. On the retry the row exists and is linked instead.
+    """
+    import time
+
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    for attempt in range(attempts):
+        try:
+            return mlflow.log_input(ds, context="training", tags=tags)
+        except MlflowException as e:
+            if "UNIQUE constraint failed" not in str(e) or attempt == attempts - 1:
+                raise
+            time.sleep(0.05 * (attempt + 1))
 
 
 def log_json(run_id: str, obj: dict, name: str, folder: str = "environment") -> None:
