@@ -35,6 +35,20 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
+def to_cpu(obj):
+    """A copy of nested dicts/lists with every tensor moved to the CPU (others as they are)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        out = type(obj)((k, to_cpu(v)) for k, v in obj.items())
+        if hasattr(obj, "_metadata"):  # module versions, kept as state_dict() has them
+            out._metadata = obj._metadata
+        return out
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_cpu(v) for v in obj)
+    return obj
+
+
 def clean_state_dict(state: dict) -> OrderedDict:
     """Copy of `state` with wrapper prefixes removed (repeatedly: DDP around compile)."""
     state = OrderedDict(state)

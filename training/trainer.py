@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import data as data_mod
 from .checkpoint import CheckpointError, CheckpointStore, load_file, load_model_state
-from .checkpoint import rng_state, set_rng_state, unwrap
+from .checkpoint import rng_state, set_rng_state, to_cpu, unwrap
 from .config import TrainConfig
 from .distributed import DistContext, LaunchError, all_reduce_sum
 from .models import build_model
@@ -158,8 +158,9 @@ class Trainer:
         if not self.ctx.is_main:  # global rank 0 only, on every node count
             return
         payload = {
-            "model": unwrap(self.model).state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            # CPU tensors: the file loads on any host, GPU or not, with plain torch.load
+            "model": to_cpu(unwrap(self.model).state_dict()),
+            "optimizer": to_cpu(self.optimizer.state_dict()),
             "scaler": self.scaler.state_dict(),
             "epoch": self.epochs_run,
             "rng": rng_state(),

@@ -1,0 +1,118 @@
+"""CUDA tests on a real GPU. Skipped where torch sees none (conftest.py), as on CI; run on
+the lent H100 with `python -m pytest -m gpu` (results in bench/NOTES.md)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+
+import mlflow
+import pytest
+import torch
+
+from flows.train import train_pipeline
+from tasks.assign import AssignmentError, DeviceRequest, assign_devices_for
+from tasks.probe import read_environment
+from tests.helpers import child_env, result, run_worker
+from training.checkpoint import load_file
+from training.models import SmallCNN
+
+pytestmark = pytest.mark.gpu
+
+SMALL = dict(dataset="digits", model="cnn", epochs=2, batch_size=64, seed=1)
+
+
+def test_probe_reads_real_gpus_from_nvml_agrees_with_torch_and_leaves_cuda_untouched():
+    report = read_environment()
+    assert report.source == "nvml" and report.gpus
+    assert report.torch_device_count == len(report.gpus), report.warnings
+    for g in report.gpus:
+        assert g.uuid.startswith("GPU-") and re.fullmatch(r"[0-9A-F:.]+", g.pci_bus_id.upper())
+        assert re.fullmatch(r"\d+\.\d+", g.compute_capability) and g.memory_total_mb > 1000
+        assert 0 <= g.memory_free_mb <= g.memory_total_mb
+    assert report.driver_version and report.cuda_version and report.nccl_version
+    assert report.backends.get("nccl") is True and report.bf16_supported
+    assert not torch.cuda.is_initialized()  # the torch cross-check ran in a child
+
+
+def test_ddp_over_nccl_with_bf16_trains_and_its_checkpoint_loads_on_cpu(tmp_path):
+    run_worker(tmp_path, nproc=1, strategy="ddp", device="cuda", precision="bf16", **SMALL)
+    res = result(tmp_path)
+    assert res["device"] == "cuda:0" and res["world_size"] == 1 and res["peak_memory_mb"] > 0
+    assert res["final_metrics"]["val_accuracy"] > 0.5
+    state = load_file(res["checkpoint"])["model"]
+    assert not any(k.startswith("module.") for k in state)
+    SmallCNN(in_channels=1, num_classes=10).load_state_dict(state)  # a plain model on the CPU
+
+
+def test_dataparallel_on_the_primary_card_with_fp16_and_grad_scaler(tmp_path):
+    run_worker(tmp_path, strategy="dp", device="cuda", device_ids=[0], precision="fp16", **SMALL)
+    res = result(tmp_path)
+    assert res["strategy"] == "dp" and res["device"] == "cuda:0"
+    assert res["final_metrics"]["val_accuracy"] > 0.5
+    assert not any(k.startswith("module.") for k in load_file(res["checkpoint"])["model"])
+
+
+def test_dataparallel_device_id_the_child_cannot_see_is_a_clear_error(tmp_path):
+    proc = run_worker(tmp_path, strategy="dp", device="cuda", device_ids=[0, 7], check=False,
+                      env=child_env(CUDA_VISIBLE_DEVICES="0"), **SMALL)
+    assert proc.returncode != 0
+    assert "DataParallel device_ids [0, 7] include [7]" in proc.stderr + proc.stdout
+
+
+def test_deterministic_cuda_runs_repeat_bit_for_bit(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d in (a, b):
+        run_worker(d, device="cuda", deterministic=True, **SMALL)
+    sa, sb = load_file(result(a)["checkpoint"])["model"], load_file(result(b)["checkpoint"])["model"]
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]), k
+
+
+def test_a_card_busy_with_another_process_is_skipped_by_auto():
+    report = read_environment()
+    card = report.gpus[0].index
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import torch, time; x = torch.ones(1, device='cuda'); print('up', flush=True); "
+                               "time.sleep(120)"],
+        env=child_env(CUDA_VISIBLE_DEVICES=str(card), CUDA_DEVICE_ORDER="PCI_BUS_ID"),
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "up"
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            busy = {g.index: g.processes for g in read_environment(with_torch=False).gpus}
+            if busy[card] >= 1:
+                break
+            time.sleep(1)
+        assert busy[card] >= 1, f"NVML shows no process on GPU {card}: {busy}"
+        others = [i for i, n in busy.items() if i != card and n == 0]
+        report = read_environment(with_torch=False)
+        if others:
+            plan = assign_devices_for(report, DeviceRequest(gpus="1"), 8)
+            assert card not in plan.physical_ids
+        else:
+            with pytest.raises(AssignmentError, match="busy"):
+                assign_devices_for(report, DeviceRequest(gpus="1"), 8)
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_pipeline_on_a_physical_gpu_logs_gpu_facts_and_a_portable_checkpoint(prefect_api, store):
+    gpu = read_environment(with_torch=False).gpus[-1].index
+    out = train_pipeline(**SMALL, gpus=f"{gpu},", strategy="ddp", precision="bf16", **store)
+    assert out["status"] == "FINISHED" and out["device"] == "cuda:0"
+    mlflow.set_tracking_uri(store["tracking_uri"])
+    run = mlflow.MlflowClient().get_run(out["run_id"])
+    tags = run.data.tags
+    assert tags["physical_gpus"] == str(gpu) and tags["primary_gpu"] == str(gpu) and tags["backend"] == "nccl"
+    assert run.data.metrics["val_accuracy"] == pytest.approx(out["final_metrics"]["val_accuracy"])
+    raw = torch.load(out["checkpoint"], weights_only=True)  # no map_location: saved on the CPU
+    state = raw["model"]
+    assert all(t.device.type == "cpu" for t in state.values())
+    assert all(t.device.type == "cpu" for s in raw["optimizer"]["state"].values() for t in s.values()
+               if isinstance(t, torch.Tensor))
+    assert not any(k.startswith("module.") for k in state)
