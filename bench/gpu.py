@@ -1,24 +1,32 @@
-"""GPU benchmarks (run where a CUDA GPU exists): fp32 vs bf16 on one GPU, peak memory.
+"""GPU benchmarks (run where a CUDA GPU exists): gpuflow's worker vs the bare script on CUDA,
+fp32 vs bf16, peak memory.
 
-    python -m bench.gpu --model resnet18 --size 50000 --epochs 3
+    python -m bench.gpu --model resnet18 --size 50000 --epochs 3 --write
 
-Runs gpuflow's worker on logical GPU 0 (set CUDA_VISIBLE_DEVICES to pick the card) for each
-precision, interleaved over repeats, and reports median samples/s of epochs 2..E and the
-peak memory torch allocated. Not run in CI (no GPU there).
+Both programs train the same model on the same in-memory synthetic data with the same global
+batch on logical GPU 0 (set CUDA_VISIBLE_DEVICES to pick the card), one process each,
+interleaved over repeats so drifts in clocks hit all alike. Reported: median samples/s of
+epochs 2..E (epoch 1 warms up) and min-max over repeats, the ratios, and the peak memory
+torch allocated in our worker. `--write` stores the table in bench/RESULTS_GPU.md, which
+`make bench` (bench/run_all.py) includes in bench/RESULTS.md. Not run in CI (no GPU there).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import statistics
 import tempfile
 from pathlib import Path
 
-from bench.common import PY, fmt, machine, run, summary
+from bench.common import PY, ROOT, fmt, json_lines, machine, run, summary
+
+PRECISIONS = ("fp32", "bf16")
+OUT = ROOT / "bench" / "RESULTS_GPU.md"
 
 
-def one(tmp: Path, a, precision: str) -> tuple[float, float]:
+def ours(tmp: Path, a, precision: str) -> tuple[float, float]:
     cfg = {"dataset": "synthetic", "synthetic_size": a.size, "epochs": a.epochs, "model": a.model,
            "batch_size": a.batch, "precision": precision, "device": "cuda", "resume": "never",
            "checkpoint_dir": str(tmp / "ck"), "num_workers": 0}
@@ -28,29 +36,60 @@ def one(tmp: Path, a, precision: str) -> tuple[float, float]:
     return statistics.median(h["samples_per_s"] for h in res["history"][1:]), res["peak_memory_mb"]
 
 
+def bare(a, precision: str) -> float:
+    _, out = run([PY, str(ROOT / "bench" / "bare_ddp.py"), "--device", "cuda", "--model", a.model,
+                  "--precision", precision, "--synthetic-size", str(a.size), "--epochs", str(a.epochs),
+                  "--batch-size", str(a.batch)])
+    rates = [r["samples_per_s"] for r in json_lines(out) if "samples_per_s" in r]
+    return statistics.median(rates[1:])
+
+
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="resnet18")
-    p.add_argument("--size", type=int, default=50000)
+    p.add_argument("--size", type=int, default=50000, help="synthetic samples (80%% train)")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--write", action="store_true", help=f"write the table to {OUT.relative_to(ROOT)}")
     a = p.parse_args(argv)
-    rates = {"fp32": [], "bf16": []}
-    peak = {}
-    for _ in range(a.repeats):
-        for prec in rates:
+    rates = {(tool, prec): [] for tool in ("ours", "bare") for prec in PRECISIONS}
+    peak: dict[str, float] = {}
+    for i in range(a.repeats):
+        for prec in PRECISIONS:
             with tempfile.TemporaryDirectory() as d:
-                r, m = one(Path(d), a, prec)
-                rates[prec].append(r)
-                peak[prec] = m
-    res = {"machine": machine(), "args": vars(a), "rates": {k: summary(v) for k, v in rates.items()},
-           "peak_mb": peak}
+                r, m = ours(Path(d), a, prec)
+            rates["ours", prec].append(r)
+            peak[prec] = m
+            rates["bare", prec].append(bare(a, prec))
+            print(f"repeat {i + 1} {prec}: ours {r:.0f}, bare {rates['bare', prec][-1]:.0f} samples/s", flush=True)
+    res = {"machine": machine(), "args": vars(a), "peak_mb": peak,
+           "rates": {f"{t}/{p}": summary(v) for (t, p), v in rates.items()}}
+    text = table(res)
     print(json.dumps(res, indent=2))
-    print("| precision | samples/s | peak MiB |\n|---|---|---|\n" + "\n".join(
-        f"| {k} | {fmt(res['rates'][k])} | {peak[k]:.0f} |" for k in rates))
-    print(f"bf16 / fp32 = {res['rates']['bf16']['median'] / res['rates']['fp32']['median']:.2f}")
+    print(text)
+    if a.write:
+        cmd = "python -m bench.gpu " + " ".join(f"--{k} {v}" for k, v in vars(a).items() if k != "write")
+        OUT.write_text(f"## 5. GPU: ours vs bare on CUDA, fp32 vs bf16\n\nCommand: `{cmd}` on "
+                       f"{datetime.date.today()}.\nMachine: {res['machine']}.\n\n{text}\n")
+        print(f"wrote {OUT}")
     return res
+
+
+def table(res: dict) -> str:
+    r = res["rates"]
+    rows = ["| precision | gpuflow samples/s | bare samples/s | ours/bare (goal >= 0.98) | peak MiB (ours) |",
+            "|---|---|---|---|---|"]
+    for prec in PRECISIONS:
+        o, b = r[f"ours/{prec}"], r[f"bare/{prec}"]
+        rows.append(f"| {prec} | {fmt(o)} | {fmt(b)} | {o['median'] / b['median']:.2f} | "
+                    f"{res['peak_mb'][prec]:.0f} |")
+    speed = r["ours/bf16"]["median"] / r["ours/fp32"]["median"]
+    rows.append(f"\nbf16 / fp32 (ours) = {speed:.2f}; peak memory bf16 / fp32 = "
+                f"{res['peak_mb']['bf16'] / res['peak_mb']['fp32']:.2f}. "
+                f"Model {res['args']['model']}, batch {res['args']['batch']}, "
+                f"{res['args']['size']} synthetic samples, {res['args']['epochs']} epochs.")
+    return "\n".join(rows)
 
 
 if __name__ == "__main__":

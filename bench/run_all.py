@@ -14,6 +14,7 @@ from bench import dataload, overhead, throughput, tracking
 from bench.common import ROOT, machine
 
 NOTES = (ROOT / "bench" / "NOTES.md")
+GPU = (ROOT / "bench" / "RESULTS_GPU.md")
 
 
 def main(argv=None) -> None:
@@ -48,7 +49,9 @@ def main(argv=None) -> None:
             f"(`make bench`) on {datetime.date.today()}.\nMachine: {machine()}.\n"
             "Figures: median over repeats, (min-max) in brackets. Ratios use medians.\n")
     notes = NOTES.read_text() if NOTES.is_file() else ""
-    (ROOT / "bench" / "RESULTS.md").write_text("\n".join([head, goals(results), *sections, notes]))
+    # written by `python -m bench.gpu --write` on a GPU machine; kept across CPU regenerations
+    gpu = GPU.read_text() if GPU.is_file() else "## 5. GPU\n\nNot measured yet: run `python -m bench.gpu --write` on a GPU machine.\n"
+    (ROOT / "bench" / "RESULTS.md").write_text("\n".join([head, goals(results), *sections, gpu, notes]))
     print("wrote bench/RESULTS.md")
 
 

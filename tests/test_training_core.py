@@ -239,3 +239,21 @@ def test_dataloader_workers_are_seeded_from_the_config_seed():
 
     assert torch.equal(draw(5), draw(5))
     assert not torch.equal(draw(5), draw(6))
+
+
+@pytest.mark.parametrize("size,out", [(14, 4), (28, 4), (7, 1), (9, (2, 3)), (5, (4, None))])
+def test_deterministic_adaptive_pool_matches_the_stock_kernel(size, out):
+    # The matrix form (used on CUDA under deterministic=True) must equal nn.AdaptiveAvgPool2d,
+    # values and gradients; the CUDA path itself runs in tests/test_gpu.py.
+    from training.models import AdaptiveAvgPool2d, _pool_matrix
+
+    x = torch.randn(2, 3, size, size + 1, dtype=torch.float64, requires_grad=True)
+    ref = torch.nn.AdaptiveAvgPool2d(out)(x)
+    oh, ow = (out, out) if isinstance(out, int) else out
+    mine = _pool_matrix(size, oh, x) @ x @ _pool_matrix(size + 1, ow or size + 1, x).T
+    assert torch.allclose(ref, mine)
+    g = torch.randn_like(ref)
+    (ga,) = torch.autograd.grad(ref, x, g)
+    (gb,) = torch.autograd.grad(mine, x, g)
+    assert torch.allclose(ga, gb)
+    assert torch.equal(AdaptiveAvgPool2d(out)(x), ref)  # off CUDA: the stock kernel

@@ -21,6 +21,33 @@ class SimpleNN(nn.Module):
         return self.fc2(self.relu(self.fc1(x.flatten(1))))
 
 
+def _pool_matrix(n_in: int, n_out: int, like: torch.Tensor) -> torch.Tensor:
+    """(n_out, n_in) averaging matrix with adaptive pooling's bins: [floor(i*n/o), ceil((i+1)*n/o))."""
+    m = torch.zeros(n_out, n_in, dtype=like.dtype, device=like.device)
+    for i in range(n_out):
+        lo, hi = (i * n_in) // n_out, -((-(i + 1) * n_in) // n_out)
+        m[i, lo:hi] = 1.0 / (hi - lo)
+    return m
+
+
+class AdaptiveAvgPool2d(nn.AdaptiveAvgPool2d):
+    """nn.AdaptiveAvgPool2d that also trains under `deterministic=True` on CUDA.
+
+    CUDA's adaptive_avg_pool2d backward accumulates with atomics, so with
+    torch.use_deterministic_algorithms(True) it raises. In that mode this computes the same
+    average as two matrix products (P_h @ x @ P_w^T), whose backward is deterministic;
+    otherwise it is the stock kernel. No parameters: state dicts are unchanged.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not (x.is_cuda and x.requires_grad and torch.are_deterministic_algorithms_enabled()):
+            return super().forward(x)
+        oh, ow = (self.output_size, self.output_size) if isinstance(self.output_size, int) else self.output_size
+        h, w = x.shape[-2:]
+        oh, ow = oh or h, ow or w
+        return _pool_matrix(h, oh, x) @ x @ _pool_matrix(w, ow, x).T
+
+
 class SmallCNN(nn.Module):
     """Two conv blocks and a linear head; adaptive pooling makes it size-agnostic."""
 
@@ -30,7 +57,7 @@ class SmallCNN(nn.Module):
             nn.Conv2d(in_channels, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
             nn.MaxPool2d(2),
             nn.Conv2d(32, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(),
-            nn.AdaptiveAvgPool2d(4),
+            AdaptiveAvgPool2d(4),
         )
         self.head = nn.Linear(64 * 4 * 4, num_classes)
 
@@ -55,5 +82,7 @@ def build_model(name: str, num_classes: int, input_shape: tuple[int, int, int]) 
     if name == "resnet18":
         from torchvision.models import resnet18
 
-        return resnet18(weights=None, num_classes=num_classes)  # no pretrained download
+        model = resnet18(weights=None, num_classes=num_classes)  # no pretrained download
+        model.avgpool = AdaptiveAvgPool2d((1, 1))  # same result; trains under deterministic=True
+        return model
     raise ValueError(f"unknown model {name!r}; choose mlp, cnn or resnet18")
