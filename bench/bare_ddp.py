@@ -44,6 +44,7 @@ def parse_args():
     p = argparse.ArgumentParser()
     p.add_argument("--dataset", default="synthetic")
     p.add_argument("--synthetic-size", type=int, default=4096)
+    p.add_argument("--synthetic-side", type=int, default=28)
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--model", default="mlp", help="mlp (the seeds' SimpleNN), cnn or resnet18")
@@ -65,7 +66,7 @@ def main():
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
     torch.manual_seed(42)
     bundle = load_data(TrainConfig(dataset=args.dataset, synthetic_size=args.synthetic_size,
-                                   model=args.model), fingerprint=False)
+                                   synthetic_side=args.synthetic_side, model=args.model), fingerprint=False)
     dataset = TensorDataset(bundle.train.x, bundle.train.y)
     sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=42)
     loader = DataLoader(dataset, batch_size=args.batch_size // world, sampler=sampler, pin_memory=cuda)

@@ -27,7 +27,7 @@ OUT = ROOT / "bench" / "RESULTS_GPU.md"
 
 
 def ours(tmp: Path, a, precision: str) -> tuple[float, float]:
-    cfg = {"dataset": "synthetic", "synthetic_size": a.size, "epochs": a.epochs, "model": a.model,
+    cfg = {"dataset": "synthetic", "synthetic_size": a.size, "synthetic_side": a.side, "epochs": a.epochs, "model": a.model,
            "batch_size": a.batch, "precision": precision, "device": "cuda", "resume": "never",
            "checkpoint_dir": str(tmp / "ck"), "num_workers": 0}
     (tmp / "cfg.json").write_text(json.dumps(cfg))
@@ -38,7 +38,8 @@ def ours(tmp: Path, a, precision: str) -> tuple[float, float]:
 
 def bare(a, precision: str) -> float:
     _, out = run([PY, str(ROOT / "bench" / "bare_ddp.py"), "--device", "cuda", "--model", a.model,
-                  "--precision", precision, "--synthetic-size", str(a.size), "--epochs", str(a.epochs),
+                  "--precision", precision, "--synthetic-size", str(a.size),
+                  "--synthetic-side", str(a.side), "--epochs", str(a.epochs),
                   "--batch-size", str(a.batch)])
     rates = [r["samples_per_s"] for r in json_lines(out) if "samples_per_s" in r]
     return statistics.median(rates[1:])
@@ -48,6 +49,7 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="resnet18")
     p.add_argument("--size", type=int, default=50000, help="synthetic samples (80%% train)")
+    p.add_argument("--side", type=int, default=28, help="image side (28: launch-bound on a big GPU)")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
@@ -70,8 +72,12 @@ def main(argv=None) -> dict:
     print(text)
     if a.write:
         cmd = "python -m bench.gpu " + " ".join(f"--{k} {v}" for k, v in vars(a).items() if k != "write")
-        OUT.write_text(f"## 5. GPU: ours vs bare on CUDA, fp32 vs bf16\n\nCommand: `{cmd}` on "
-                       f"{datetime.date.today()}.\nMachine: {res['machine']}.\n\n{text}\n")
+        head = f"### {a.model}, {a.side}x{a.side} images, batch {a.batch}"
+        section = (f"{head}\n\nCommand: `{cmd}` on {datetime.date.today()}.\n"
+                   f"Machine: {res['machine']}.\n\n{text}\n")
+        old = OUT.read_text() if OUT.is_file() else "## 5. GPU: ours vs bare on CUDA, fp32 vs bf16\n"
+        parts = [q for q in old.split("\n### ") if not ("### " + q).startswith(head)]  # replace a rerun
+        OUT.write_text("\n### ".join(parts).rstrip("\n") + "\n\n" + section)
         print(f"wrote {OUT}")
     return res
 
@@ -88,7 +94,8 @@ def table(res: dict) -> str:
     rows.append(f"\nbf16 / fp32 (ours) = {speed:.2f}; peak memory bf16 / fp32 = "
                 f"{res['peak_mb']['bf16'] / res['peak_mb']['fp32']:.2f}. "
                 f"Model {res['args']['model']}, batch {res['args']['batch']}, "
-                f"{res['args']['size']} synthetic samples, {res['args']['epochs']} epochs.")
+                f"{res['args']['size']} synthetic {res['args']['side']}x{res['args']['side']} samples, "
+                f"{res['args']['epochs']} epochs.")
     return "\n".join(rows)
 
 

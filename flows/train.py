@@ -54,6 +54,7 @@ def run_name() -> str:
 def train_pipeline(
     model: str = "mlp", dataset: str = "digits", data_root: str = "data", download: bool = False,
     val_fraction: float = 0.2, split_seed: int = 0, synthetic_size: int = 4096,
+    synthetic_side: int = 28,
     epochs: int = 3, batch_size: int = 64, lr: float = 1e-3, optimizer: str = "adam",
     momentum: float = 0.9, grad_clip: float = 0.0, precision: str = "fp32",
     strategy: str = "auto", gpus: str = "auto", backend: str = "auto", min_free_mb: int = 0,

@@ -34,6 +34,7 @@ class TrainConfig(BaseModel):
     val_fraction: float = Field(0.2, gt=0, lt=1, description="share held out for validation")
     split_seed: int = Field(0, description="seed of the train/validation split")
     synthetic_size: int = Field(4096, gt=0, description="samples in the synthetic dataset")
+    synthetic_side: int = Field(28, ge=8, le=512, description="image side of the synthetic dataset")
     epochs: int = Field(3, description="epochs to train (> 0)")
     batch_size: int = Field(64, description="global batch size, split across devices")
     lr: float = Field(1e-3, description="learning rate (> 0)")

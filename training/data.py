@@ -61,8 +61,9 @@ def _digits(cfg: TrainConfig):
 def _synthetic(cfg: TrainConfig):
     # Learnable on purpose: labels are the argmax of a fixed random projection.
     g = torch.Generator().manual_seed(1234)
-    x = torch.rand(cfg.synthetic_size, 1, 28, 28, generator=g)
-    w = torch.randn(28 * 28, 10, generator=g)
+    side = cfg.synthetic_side
+    x = torch.rand(cfg.synthetic_size, 1, side, side, generator=g)
+    w = torch.randn(side * side, 10, generator=g)
     y = ((x.flatten(1) - 0.5) @ w).argmax(1)
     return x, y, 10
 
