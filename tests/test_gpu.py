@@ -41,6 +41,7 @@ def test_ddp_over_nccl_with_bf16_trains_and_its_checkpoint_loads_on_cpu(tmp_path
     run_worker(tmp_path, nproc=1, strategy="ddp", device="cuda", precision="bf16", **SMALL)
     res = result(tmp_path)
     assert res["device"] == "cuda:0" and res["world_size"] == 1 and res["peak_memory_mb"] > 0
+    assert res["data_on_device"] is True  # small in-memory data is gathered on the GPU
     assert res["final_metrics"]["val_accuracy"] > 0.5
     state = load_file(res["checkpoint"])["model"]
     assert not any(k.startswith("module.") for k in state)
@@ -48,9 +49,10 @@ def test_ddp_over_nccl_with_bf16_trains_and_its_checkpoint_loads_on_cpu(tmp_path
 
 
 def test_dataparallel_on_the_primary_card_with_fp16_and_grad_scaler(tmp_path):
-    run_worker(tmp_path, strategy="dp", device="cuda", device_ids=[0], precision="fp16", **SMALL)
+    run_worker(tmp_path, strategy="dp", device="cuda", device_ids=[0], precision="fp16", num_workers=1, **SMALL)
     res = result(tmp_path)
     assert res["strategy"] == "dp" and res["device"] == "cuda:0"
+    assert res["data_on_device"] is False  # --num-workers 1 keeps the host loader path
     assert res["final_metrics"]["val_accuracy"] > 0.5
     assert not any(k.startswith("module.") for k in load_file(res["checkpoint"])["model"])
 

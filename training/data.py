@@ -44,7 +44,30 @@ class TensorData(Dataset):
         return len(self.y)
 
     def __getitem__(self, idx):
+        if self.x.is_cuda and isinstance(idx, list):
+            idx = torch.as_tensor(idx, device=self.x.device)
         return self.x[idx], self.y[idx]
+
+
+GPU_DATA_SHARE = 0.25  # in-memory data moves to the GPU when it takes at most this share of free memory
+
+
+def data_to_device(bundle: DataBundle, device: torch.device, num_workers: int) -> tuple[DataBundle, bool]:
+    """Put in-memory datasets on the GPU once, when they fit, and say whether it did.
+
+    Batches are then gathered on the GPU: no per-step host gather, pinning copy or
+    host-to-device transfer, which otherwise bound a fast GPU on small images (see
+    bench/RESULTS_GPU.md). Folder datasets, DataLoader workers and CPU runs are left as is.
+    """
+    parts = (bundle.train, bundle.val)
+    if device.type != "cuda" or num_workers > 0 or not all(isinstance(d, TensorData) for d in parts):
+        return bundle, False
+    need = sum(t.numel() * t.element_size() for d in parts for t in (d.x, d.y))
+    free, _ = torch.cuda.mem_get_info(device)
+    if need > GPU_DATA_SHARE * free:
+        return bundle, False
+    moved = [TensorData(d.x.to(device), d.y.to(device)) for d in parts]
+    return DataBundle(moved[0], moved[1], bundle.num_classes, bundle.input_shape, bundle.fingerprint), True
 
 
 # --- raw sources: each returns (images N,C,H,W float in [0,1], labels N int64, classes) ---

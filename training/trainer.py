@@ -75,7 +75,9 @@ class Trainer:
                  sink: MetricsSink | None = None):
         self.cfg, self.ctx, self.bundle = cfg, ctx, bundle
         self.device = ctx.device
-        self.pin = self.device.type == "cuda"
+        bundle, self.data_on_device = data_mod.data_to_device(bundle, self.device, cfg.num_workers)
+        self.bundle = bundle
+        self.pin = self.device.type == "cuda" and not self.data_on_device
         self.model = self._wrap(build_model(cfg.model, bundle.num_classes, bundle.input_shape))
         self.optimizer = self._make_optimizer()
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.precision == "fp16")
@@ -254,6 +256,7 @@ class Trainer:
             "world_size": self.ctx.world_size,
             "strategy": self.ctx.strategy,
             "device": str(self.device),
+            "data_on_device": self.data_on_device,
             "resumed_from": self.resumed_from,
             "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
             "train_time_s": self.train_time_s,
