@@ -36,6 +36,13 @@ def pipeline(tmp: Path, a, api_url: str | None) -> tuple[float, dict]:
     return wall, summary_json["timings"]
 
 
+def floor(tmp: Path, api_url: str) -> float:
+    """An empty flow run with one task on the same server: what Prefect alone costs."""
+    wall, _ = run([PY, "-m", "bench.noop_flow"], cwd=ROOT, PREFECT_API_URL=api_url,
+                  PREFECT_HOME=str(tmp / "prefect-home"))
+    return wall
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--repeats", type=int, default=2)
@@ -43,7 +50,7 @@ def main(argv=None) -> dict:
     p.add_argument("--dataset", default="digits")
     p.add_argument("--size", type=int, default=4096, help="samples, for --dataset synthetic")
     a = p.parse_args(argv)
-    walls: dict[str, list[float]] = {"bare": [], "ephemeral": [], "server": []}
+    walls: dict[str, list[float]] = {"bare": [], "ephemeral": [], "server": [], "floor": []}
     steps: dict[str, list[dict]] = {"ephemeral": [], "server": []}
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
@@ -53,6 +60,8 @@ def main(argv=None) -> dict:
             startup = server.startup_s
             for i in range(a.repeats):
                 walls["bare"].append(bare(a))
+                (tmp / f"floor-{i}").mkdir()
+                walls["floor"].append(floor(tmp / f"floor-{i}", url))
                 for mode, api in (("ephemeral", None), ("server", url)):
                     work = tmp / f"{mode}-{i}"
                     work.mkdir()
@@ -75,6 +84,12 @@ def table(res: dict) -> str:
                         ("server", "pipeline, running Prefect server (goal <= 1.3)")):
         w = res["walls"][mode]
         rows.append(f"| {label} | {fmt(w, 1)} | {w['median'] / b:.2f} |")
+    if res["walls"].get("floor"):
+        f = res["walls"]["floor"]
+        rows += [f"| empty Prefect flow + 1 task on the running server (the floor) | {fmt(f, 1)} | "
+                 f"{f['median'] / b:.2f} |",
+                 f"| bare script + that floor (best any Prefect-run launch can do) | "
+                 f"{b + f['median']:.1f} | {(b + f['median']) / b:.2f} |"]
     names = list(res["steps"]["server"][0])
     rows += ["", "Per-step seconds (median over repeats), measured inside the flow:", "",
              "| step | " + " | ".join(names) + " | outside steps (process start, imports, API) |",
