@@ -24,6 +24,7 @@ from bench.common import PY, ROOT, fmt, json_lines, machine, run, summary
 
 PRECISIONS = ("fp32", "bf16")
 OUT = ROOT / "bench" / "RESULTS_GPU.md"
+OUT_JSON = ROOT / "bench" / "RESULTS_GPU.json"
 
 
 def ours(tmp: Path, a, precision: str) -> tuple[float, float]:
@@ -78,6 +79,11 @@ def main(argv=None) -> dict:
         old = OUT.read_text() if OUT.is_file() else "## 5. GPU: ours vs bare on CUDA, fp32 vs bf16\n"
         parts = [q for q in old.split("\n### ") if not ("### " + q).startswith(head)]  # replace a rerun
         OUT.write_text("\n### ".join(parts).rstrip("\n") + "\n\n" + section)
+        ratios = json.loads(OUT_JSON.read_text()) if OUT_JSON.is_file() else {}
+        r = res["rates"]
+        ratios[head.removeprefix("### ")] = {p: r[f"ours/{p}"]["median"] / r[f"bare/{p}"]["median"]
+                                            for p in PRECISIONS}
+        OUT_JSON.write_text(json.dumps(ratios, indent=2))
         print(f"wrote {OUT}")
     return res
 

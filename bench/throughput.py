@@ -62,6 +62,10 @@ def main(argv=None) -> dict:
             if "lightning" in tools:
                 rates["lightning"].append(script("lightning_ref.py", world, a))
         results[world] = {t: summary(v) for t, v in rates.items()}
+        # ratios within each repeat (the programs ran back to back): drifts of the shared
+        # machine between repeats cancel, which the ratio of medians does not do
+        results[world]["paired"] = {t: summary([o / x for o, x in zip(rates["ours"], rates[t], strict=True)])
+                                    for t in tools if t != "ours"}
         r = results[world]
         print(f"world {world}: " + ", ".join(f"{t} {fmt(r[t])}" for t in tools), flush=True)
     return {"args": vars(a), "results": results}
@@ -71,11 +75,14 @@ def table(res: dict) -> str:
     rows = ["| world | gpuflow samples/s | bare samples/s | ours/bare (goal >= 0.98) | Lightning samples/s | ours/Lightning (goal >= 1.0) |",
             "|---|---|---|---|---|---|"]
     for world, r in res["results"].items():
-        ob = r["ours"]["median"] / r["bare"]["median"]
+        pr = r["paired"]
+        ob = f"{pr['bare']['median']:.2f} ({pr['bare']['min']:.2f}-{pr['bare']['max']:.2f})"
         lt = r.get("lightning")
-        ol = f"{r['ours']['median'] / lt['median']:.2f}" if lt else "n/a (lightning not installed)"
-        rows.append(f"| {world} | {fmt(r['ours'])} | {fmt(r['bare'])} | {ob:.2f} | "
+        ol = (f"{pr['lightning']['median']:.2f} ({pr['lightning']['min']:.2f}-{pr['lightning']['max']:.2f})"
+              if lt else "n/a (lightning not installed)")
+        rows.append(f"| {world} | {fmt(r['ours'])} | {fmt(r['bare'])} | {ob} | "
                     f"{fmt(lt) if lt else 'n/a'} | {ol} |")
+    rows.append("\nRatios: median (min-max) of ours / other within each repeat.")
     return "\n".join(rows)
 
 
