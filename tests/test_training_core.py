@@ -235,7 +235,11 @@ def test_dataloader_workers_are_seeded_from_the_config_seed():
         cfg = TrainConfig(seed=seed, num_workers=2, batch_size=4)
         loader, sampler = train_loader(_RandomSamples(), cfg, 0, 1, pin=False)
         sampler.set_epoch(0)
-        return torch.cat([b for b in loader])
+        out = torch.cat([b for b in loader])
+        # stop the persistent workers here, not at a later test's garbage collection
+        # (where torch's SIGCHLD handler turned their exit into an unraisable warning)
+        loader._iterator._shutdown_workers()
+        return out
 
     assert torch.equal(draw(5), draw(5))
     assert not torch.equal(draw(5), draw(6))
