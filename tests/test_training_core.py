@@ -11,7 +11,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from tests.helpers import ROOT, child_env, run_worker
+from tests.helpers import ROOT, child_env, result, run_worker
 from training import TrainConfig
 from training.__main__ import run
 from training.checkpoint import CheckpointError, CheckpointStore, load_file, load_model_state
@@ -261,3 +261,13 @@ def test_deterministic_adaptive_pool_matches_the_stock_kernel(size, out):
     (gb,) = torch.autograd.grad(mine, x, g)
     assert torch.allclose(ga, gb)
     assert torch.equal(AdaptiveAvgPool2d(out)(x), ref)  # off CUDA: the stock kernel
+
+
+def test_a_run_id_mlflow_does_not_know_warns_before_the_loop_and_training_completes(tmp_path):
+    # The sink checks the run while data loads (which also builds the store off the loop);
+    # tracking trouble must never cost the training: result.json still has everything.
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    proc = run_worker(tmp_path / "w", env=child_env(MLFLOW_RUN_ID="0123456789abcdef", MLFLOW_TRACKING_URI=uri),
+                      epochs=1, **SMALL)
+    assert "MLflow unavailable" in proc.stderr and "0123456789abcdef" in proc.stderr
+    assert result(tmp_path / "w")["epochs_run"] == 1

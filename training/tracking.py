@@ -24,7 +24,11 @@ class MetricsSink:
         try:
             from mlflow.tracking import MlflowClient
 
-            self._client = MlflowClient()
+            client = MlflowClient()
+            # The store (SQLAlchemy engine, schema check: ~0.8 s) is built lazily at the first
+            # call; make that call here, off the training loop, and check the run exists.
+            client.get_run(self.run_id)
+            self._client = client
         except Exception as e:  # reported once, at the first log_epoch
             self._error = e
 
