@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -40,6 +41,7 @@ def run(config_path: str, result_path: str | None) -> dict:
     cfg = TrainConfig.from_json(config_path)
     sink = MetricsSink(is_main=os.environ.get("RANK", "0") == "0")  # connects in the background
     ctx = distributed.setup(cfg)
+    trainer = None
     try:
         seed_everything(cfg.seed)
         set_determinism(cfg)
@@ -53,6 +55,11 @@ def run(config_path: str, result_path: str | None) -> dict:
         distributed.barrier(ctx)
         return result
     finally:
+        # DDP's reducer holds the process group: free it now, so the group's C++ threads
+        # are joined by destroy_process_group here and not at interpreter shutdown, where
+        # they ended a rank with 'terminate called without an active exception' (SIGABRT).
+        trainer = None
+        gc.collect()
         distributed.teardown()
 
 
