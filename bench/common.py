@@ -60,3 +60,27 @@ def machine() -> str:
 
     return (f"{platform.node()} · {os.cpu_count()} CPUs · {platform.python_version()} · "
             f"torch {torch.__version__} · CUDA available: {torch.cuda.is_available()}")
+
+
+def launcher(world: int) -> list[str]:
+    """torchrun for several processes, plain python for one (as the pipeline launches)."""
+    return [*TORCHRUN, f"--nproc_per_node={world}"] if world > 1 else [PY]
+
+
+def run_worker(tmp: Path, cfg: dict, world: int = 1, **extra_env) -> tuple[dict, float]:
+    """Run gpuflow's worker on `cfg` (written to tmp/cfg.json); return (result.json, wall s)."""
+    (tmp / "cfg.json").write_text(json.dumps(cfg))
+    wall, _ = run([*launcher(world), "-m", "training", "--config", str(tmp / "cfg.json")], **extra_env)
+    return json.loads((tmp / "result.json").read_text()), wall
+
+
+def loop_rate(result: dict) -> float:
+    """Median samples/s of epochs 2..E of a worker result (epoch 1 warms up)."""
+    return statistics.median(h["samples_per_s"] for h in result["history"][1:])
+
+
+def script_rate(script: str, args: list[str], world: int = 1) -> float:
+    """Run a reference script under bench/ and take the median samples/s of its epochs 2..E."""
+    _, out = run([*launcher(world), str(ROOT / "bench" / script), *args])
+    rates = [r["samples_per_s"] for r in json_lines(out) if "samples_per_s" in r]
+    return statistics.median(rates[1:])

@@ -16,11 +16,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
 import tempfile
 from pathlib import Path
 
-from bench.common import PY, ROOT, fmt, json_lines, machine, run, summary
+from bench.common import ROOT, fmt, loop_rate, machine, run_worker, script_rate, summary
 
 PRECISIONS = ("fp32", "bf16")
 OUT = ROOT / "bench" / "RESULTS_GPU.md"
@@ -28,22 +27,17 @@ OUT_JSON = ROOT / "bench" / "RESULTS_GPU.json"
 
 
 def ours(tmp: Path, a, precision: str) -> tuple[float, float]:
-    cfg = {"dataset": "synthetic", "synthetic_size": a.size, "synthetic_side": a.side, "epochs": a.epochs, "model": a.model,
-           "batch_size": a.batch, "precision": precision, "device": "cuda", "resume": "never",
+    cfg = {"dataset": "synthetic", "synthetic_size": a.size, "synthetic_side": a.side, "epochs": a.epochs,
+           "model": a.model, "batch_size": a.batch, "precision": precision, "device": "cuda", "resume": "never",
            "checkpoint_dir": str(tmp / "ck"), "num_workers": 0}
-    (tmp / "cfg.json").write_text(json.dumps(cfg))
-    run([PY, "-m", "training", "--config", str(tmp / "cfg.json")])
-    res = json.loads((tmp / "result.json").read_text())
-    return statistics.median(h["samples_per_s"] for h in res["history"][1:]), res["peak_memory_mb"]
+    res, _ = run_worker(tmp, cfg)
+    return loop_rate(res), res["peak_memory_mb"]
 
 
 def bare(a, precision: str) -> float:
-    _, out = run([PY, str(ROOT / "bench" / "bare_ddp.py"), "--device", "cuda", "--model", a.model,
-                  "--precision", precision, "--synthetic-size", str(a.size),
-                  "--synthetic-side", str(a.side), "--epochs", str(a.epochs),
-                  "--batch-size", str(a.batch)])
-    rates = [r["samples_per_s"] for r in json_lines(out) if "samples_per_s" in r]
-    return statistics.median(rates[1:])
+    return script_rate("bare_ddp.py", ["--device", "cuda", "--model", a.model, "--precision", precision,
+                                       "--synthetic-size", str(a.size), "--synthetic-side", str(a.side),
+                                       "--epochs", str(a.epochs), "--batch-size", str(a.batch)])
 
 
 def main(argv=None) -> dict:

@@ -8,31 +8,22 @@ of epochs 2..E (epoch 1 warms up). Reported: median over repeats and min-max.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import tempfile
 from pathlib import Path
 
-from bench.common import PY, ROOT, TORCHRUN, fmt, json_lines, run, summary
+from bench.common import fmt, loop_rate, run_worker, script_rate, summary
 
 
 def ours(world: int, a, tmp: Path) -> float:
     cfg = {"dataset": "synthetic", "synthetic_size": a.size, "epochs": a.epochs, "batch_size": a.batch,
            "model": "mlp", "resume": "never", "checkpoint_dir": str(tmp / "ck"),
            "strategy": "ddp" if world > 1 else "single", "device": "cpu"}
-    (tmp / "cfg.json").write_text(json.dumps(cfg))
-    launcher = [*TORCHRUN, f"--nproc_per_node={world}"] if world > 1 else [PY]
-    run([*launcher, "-m", "training", "--config", str(tmp / "cfg.json")])
-    hist = json.loads((tmp / "result.json").read_text())["history"]
-    return statistics.median(h["samples_per_s"] for h in hist[1:])
+    return loop_rate(run_worker(tmp, cfg, world)[0])
 
 
 def script(name: str, world: int, a) -> float:
-    launcher = [*TORCHRUN, f"--nproc_per_node={world}"] if world > 1 else [PY]
-    _, out = run([*launcher, str(ROOT / "bench" / name), "--synthetic-size", str(a.size),
-                  "--epochs", str(a.epochs), "--batch-size", str(a.batch)])
-    rates = [r["samples_per_s"] for r in json_lines(out) if "samples_per_s" in r]
-    return statistics.median(rates[1:])
+    return script_rate(name, ["--synthetic-size", str(a.size), "--epochs", str(a.epochs),
+                              "--batch-size", str(a.batch)], world)
 
 
 def have_lightning() -> bool:

@@ -4,21 +4,18 @@ a run in a SQLite store, metrics every epoch) against off, interleaved, same job
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 from pathlib import Path
 
-from bench.common import TORCHRUN, fmt, run, summary
+from bench.common import fmt, run_worker, summary
 
 
 def one(tmp: Path, a, run_id: str | None, uri: str) -> tuple[float, float]:
     cfg = {"dataset": "synthetic", "synthetic_size": a.size, "epochs": a.epochs, "model": a.model,
            "resume": "never", "checkpoint_dir": str(tmp / "ck"), "strategy": "ddp", "device": "cpu"}
-    (tmp / "cfg.json").write_text(json.dumps(cfg))
     extra = {"MLFLOW_TRACKING_URI": uri, **({"MLFLOW_RUN_ID": run_id} if run_id else {})}
-    wall, _ = run([*TORCHRUN, "--nproc_per_node=2", "-m", "training", "--config", str(tmp / "cfg.json")],
-                  **extra)
-    return json.loads((tmp / "result.json").read_text())["train_time_s"], wall
+    res, wall = run_worker(tmp, cfg, world=2, **extra)
+    return res["train_time_s"], wall
 
 
 def main(argv=None) -> dict:
