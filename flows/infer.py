@@ -14,7 +14,7 @@ from pathlib import Path
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
-from tasks.assign import DeviceRequest, assign_devices
+from tasks.assign import DevicePlan, DeviceRequest, assign_devices
 from tasks.probe import probe_environment
 from tasks.registry import champion_version, checkpoint_of, evaluate_checkpoint
 from tasks.track import default_tracking_uri, prepare_store
@@ -27,16 +27,21 @@ def single_device_request(gpus: str) -> DeviceRequest:
     return DeviceRequest(gpus="1" if gpus == "auto" else gpus, strategy="single")
 
 
+def assign_one_device(gpus: str) -> DevicePlan:
+    """Probe, then assign the one device `gpus` names; `auto` falls back to the CPU without GPUs."""
+    report = probe_environment()
+    no_gpu = not report.visible_physical_ids()
+    return assign_devices(report, single_device_request("cpu" if no_gpu and gpus == "auto" else gpus),
+                          batch_size=1)
+
+
 @flow(name="evaluate-model", flow_run_name="evaluate-{registered_model}-{version}-gpus={gpus}")
 def evaluate_model(registered_model: str = "gpuflow-model", version: str = "champion",
                    checkpoint: str | None = None, gpus: str = "auto", split: str = "val",
                    dataset: str | None = None, data_root: str | None = None,
                    tracking_uri: str | None = None) -> dict:
     """Load a model version (or a checkpoint) onto one assigned device and report accuracy."""
-    report = probe_environment()
-    no_gpu = not report.visible_physical_ids()
-    request = single_device_request("cpu" if no_gpu and gpus == "auto" else gpus)
-    plan = assign_devices(report, request, batch_size=1)
+    plan = assign_one_device(gpus)
     with tempfile.TemporaryDirectory() as d:
         if checkpoint is None:
             prepare_store(tracking_uri or default_tracking_uri())

@@ -13,12 +13,10 @@ import mlflow
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from tasks.assign import assign_devices
-from tasks.probe import probe_environment
 from tasks.registry import champion_version, evaluate_version, promote
 from tasks.track import default_tracking_uri, prepare_store
 
-from .infer import single_device_request
+from .infer import assign_one_device
 from .train import train_pipeline
 
 
@@ -45,9 +43,7 @@ def retrain(model: str = "mlp", dataset: str = "digits", epochs: int = 3, batch_
     prepare_store(tracking_uri or default_tracking_uri())
     challenger_v = str(trained["model_version"])
     champion_v = champion_version(registered_model)
-    report = probe_environment()
-    no_gpu = not report.visible_physical_ids()
-    plan = assign_devices(report, single_device_request("cpu" if no_gpu and eval_gpus == "auto" else eval_gpus), 1)
+    plan = assign_one_device(eval_gpus)
     # Held-out data: the challenger's validation split, for both models.
     challenger = evaluate_version(registered_model, challenger_v, plan, dataset=dataset)
     champion = (evaluate_version(registered_model, champion_v, plan, dataset=dataset)

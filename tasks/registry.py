@@ -11,7 +11,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from .assign import DevicePlan
-from .launch import run_child
+from .launch import child_environment, run_child
 
 CHAMPION = "champion"
 
@@ -49,9 +49,7 @@ def evaluate_checkpoint(checkpoint: Path, plan: DevicePlan, split: str = "val",
         cmd += ["--dataset", dataset]
     if data_root:
         cmd += ["--data-root", data_root]
-    env = plan.child_environ()
-    env["PYTHONUNBUFFERED"] = "1"
-    code, tail = run_child(cmd, env, Path.cwd(), get_run_logger())
+    code, tail = run_child(cmd, child_environment(plan, None, None), Path.cwd(), get_run_logger())
     if code != 0:
         raise RuntimeError(f"evaluation of {checkpoint} failed (exit {code}):\n" + "\n".join(tail[-10:]))
     for line in reversed(tail):  # the result is the last JSON line; warnings may follow it

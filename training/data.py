@@ -8,7 +8,7 @@ per-sample Python, no collate. `imagefolder:<path>` stays lazy (torchvision Imag
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -66,8 +66,8 @@ def data_to_device(bundle: DataBundle, device: torch.device, num_workers: int) -
     free, _ = torch.cuda.mem_get_info(device)
     if need > GPU_DATA_SHARE * free:
         return bundle, False
-    moved = [TensorData(d.x.to(device), d.y.to(device)) for d in parts]
-    return DataBundle(moved[0], moved[1], bundle.num_classes, bundle.input_shape, bundle.fingerprint), True
+    train, val = (TensorData(d.x.to(device), d.y.to(device)) for d in parts)
+    return replace(bundle, train=train, val=val), True
 
 
 # --- raw sources: each returns (images N,C,H,W float in [0,1], labels N int64, classes) ---

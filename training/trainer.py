@@ -73,8 +73,7 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, ctx: DistContext, bundle: data_mod.DataBundle,
                  sink: MetricsSink | None = None):
-        self.cfg, self.ctx, self.bundle = cfg, ctx, bundle
-        self.device = ctx.device
+        self.cfg, self.ctx, self.device = cfg, ctx, ctx.device
         bundle, self.data_on_device = data_mod.data_to_device(bundle, self.device, cfg.num_workers)
         self.bundle = bundle
         self.pin = self.device.type == "cuda" and not self.data_on_device
