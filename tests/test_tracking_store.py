@@ -53,3 +53,28 @@ def test_a_run_whose_start_fails_is_marked_failed_not_left_running(tmp_path):
     runs = mlflow.search_runs(experiment_names=["half"], output_format="list")
     assert [r.info.status for r in runs] == ["FAILED"]
     assert "MlflowException" in runs[0].data.tags["error"]
+
+
+def test_rank0_logger_process_writes_every_epoch_before_close_returns(tmp_path, monkeypatch):
+    # training.tracking.MetricsSink hands metrics to training/metrics_logger.py, a child
+    # process; close() must not return before the last epoch is in the store, since the flow
+    # reads and ends the run right after the workers exit.
+    from training.tracking import MetricsSink
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    prepare_store(uri)
+    client = mlflow.MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("sink")).info.run_id
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_RUN_ID", run_id)
+    assert MetricsSink(is_main=False)._proc is None  # other ranks never start one
+    sink = MetricsSink(is_main=True)
+    sink.wait_ready()
+    for epoch in (1, 2, 3):
+        sink.log_epoch(epoch, {"val_accuracy": epoch / 10, "train_loss": 1.0 / epoch})
+    sink.close()
+    history = client.get_metric_history(run_id, "val_accuracy")
+    assert [(m.step, m.value) for m in sorted(history, key=lambda m: m.step)] == [(1, 0.1), (2, 0.2), (3, 0.3)]
+    assert len(client.get_metric_history(run_id, "train_loss")) == 3
+    sink.log_epoch(4, {"val_accuracy": 0.4})  # after close: ignored, no error
+    assert client.get_run(run_id).info.status == "RUNNING"  # the logger never ends the run

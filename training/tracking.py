@@ -1,11 +1,25 @@
-"""Rank-0 metric streaming into the MLflow run the flow created (attach, never create)."""
+"""Rank-0 metric streaming into the MLflow run the flow created (attach, never create).
+
+Global rank 0 starts `training/metrics_logger.py` as its own child process, first thing, and
+writes one JSON line per epoch to it. The logger imports MLflow and connects while the ranks
+import torch, meet and load data, so the training process never imports MLflow at all.
+Torch-free: rank 0 creates the sink before it imports torch.
+"""
 
 from __future__ import annotations
 
+import atexit
+import json
 import os
+import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
+
+LOGGER = Path(__file__).with_name("metrics_logger.py")
+READY_TIMEOUT_S = 60.0  # the loop starts anyway after this; epochs queue in the pipe meanwhile
+CLOSE_TIMEOUT_S = 120.0  # how long rank 0 waits at exit for queued metrics to be written
 
 
 class MetricsSink:
@@ -13,46 +27,76 @@ class MetricsSink:
 
     def __init__(self, is_main: bool):
         self.run_id = os.environ.get("MLFLOW_RUN_ID") if is_main else None
-        self._client = None
-        self._ready: threading.Thread | None = None
-        self._error: Exception | None = None
-        if self.run_id:  # mlflow takes ~1.2 s to import: do it while data loads and ranks meet
-            self._ready = threading.Thread(target=self._connect, daemon=True)
-            self._ready.start()
-
-    def _connect(self) -> None:
+        self._proc: subprocess.Popen | None = None
+        self._status: str | None = None
+        self._got_status = threading.Event()
+        self._warned = False
+        if not self.run_id:
+            return
         try:
-            from mlflow.tracking import MlflowClient
+            # -P: the script's folder (training/, with config.py, data.py...) stays off sys.path
+            self._proc = subprocess.Popen([sys.executable, "-P", "-u", str(LOGGER)], stdin=subprocess.PIPE,
+                                          stdout=subprocess.PIPE, text=True, bufsize=1)
+        except OSError as e:
+            self._disable(f"could not start the MLflow logger: {e}")
+            return
+        threading.Thread(target=self._read_status, name="gpuflow-mlflow-status", daemon=True).start()
+        atexit.register(self.close)
 
-            client = MlflowClient()
-            # The store (SQLAlchemy engine, schema check: ~0.8 s) is built lazily at the first
-            # call; make that call here, off the training loop, and check the run exists.
-            client.get_run(self.run_id)
-            self._client = client
-        except Exception as e:  # reported once, at the first log_epoch
-            self._error = e
+    def _read_status(self) -> None:
+        line = self._proc.stdout.readline().strip()
+        self._status = line or "error the MLflow logger exited before connecting (see its stderr above)"
+        self._got_status.set()
 
-    def wait_ready(self) -> None:
-        """Finish connecting (startup work) before the training loop starts."""
-        if self._ready:
-            self._ready.join()
+    def _disable(self, why: str) -> None:
+        if not self._warned:
+            print(f"[rank 0] warning: MLflow unavailable, metrics stay in result.json: {why}",
+                  file=sys.stderr, flush=True)
+        self._warned = True
+        self.run_id = None
+
+    def _check_status(self) -> None:
+        if self._status and self._status.startswith("error"):
+            self._disable(f"run {self.run_id}: {self._status.removeprefix('error').strip()}")
+            self.close()
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
+        """Before the loop: let the logger finish connecting, and report a bad run id early."""
+        if self._proc is not None and self.run_id:
+            self._got_status.wait(timeout)
+            self._check_status()
 
     def log_epoch(self, epoch: int, metrics: dict[str, float]) -> None:
-        if not self._ready:
+        if self._proc is None or not self.run_id:
             return
-        self._ready.join()
-        if self._client is None:
-            print(f"[rank 0] warning: MLflow unavailable, metrics stay in result.json: {self._error}",
-                  file=sys.stderr)
-            self._ready = None
+        self._check_status()
+        if not self.run_id:
             return
-        from mlflow.entities import Metric
-
-        now = int(time.time() * 1000)
-        batch = [Metric(k, float(v), now, epoch) for k, v in metrics.items()]
-        # Synchronous on purpose: one SQLite write is 10-20 ms an epoch, while MLflow's async
-        # queue costs ~2 s at process exit (measured, see bench/RESULTS.md).
+        line = json.dumps({"step": epoch, "timestamp": int(time.time() * 1000),
+                           "metrics": {k: float(v) for k, v in metrics.items()}})
         try:
-            self._client.log_batch(self.run_id, metrics=batch, synchronous=True)
-        except Exception as e:  # tracking trouble must not kill training; result.json keeps all
-            print(f"[rank 0] warning: could not log metrics to MLflow: {e}", file=sys.stderr)
+            self._proc.stdin.write(line + "\n")
+            self._proc.stdin.flush()
+        except (BrokenPipeError, ValueError, OSError) as e:
+            self._disable(f"the MLflow logger stopped ({type(e).__name__}: {e})")
+
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        """Let the logger write what it has queued and exit (idempotent)."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        try:
+            proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            print(f"[rank 0] warning: the MLflow logger did not finish within {timeout:.0f} s and was "
+                  "stopped; some metrics may be missing from MLflow (result.json has them all)",
+                  file=sys.stderr, flush=True)
+        self._got_status.wait(1)
+        if self.run_id and self._status and self._status.startswith("error"):
+            self._disable(f"run {self.run_id}: {self._status.removeprefix('error').strip()}")
