@@ -16,7 +16,7 @@ from tasks.launch import LaunchOptions
 from training import TrainConfig
 
 # Set from the DevicePlan and the run's folder, never by the user.
-PLAN_OWNED = ("device", "device_ids", "checkpoint_dir")
+PLAN_OWNED = ("device", "device_ids", "checkpoint_dir", "data_cache")
 
 
 class PipelineParams(TrainConfig):

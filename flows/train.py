@@ -110,7 +110,8 @@ def train_and_track(params: PipelineParams, report: EnvironmentReport, plan: Dev
     try:
         workdir = Path(params.runs_dir).resolve() / (run_id or f"node{params.node_rank}-{uuid.uuid4().hex[:8]}")
         workdir.mkdir(parents=True, exist_ok=True)
-        config = params.train_config(plan, workdir).to_json(workdir / "config.json")
+        config = params.train_config(plan, workdir).model_copy(update={"data_cache": data.cache})
+        config = config.to_json(workdir / "config.json")
         if run_id:
             log_json(run_id, report.model_dump(mode="json"), "environment_report.json")
             log_json(run_id, plan.model_dump(mode="json"), "device_plan.json")
@@ -183,6 +184,10 @@ def _experiment_id(run_id: str) -> str:
 if __name__ == "__main__":
     import sys
 
+    from training import fastexit
+
     from .cli import main
 
-    sys.exit(main(["run", *sys.argv[1:]]))
+    code = main(["run", *sys.argv[1:]])
+    fastexit.exit_after_cleanup(code)
+    sys.exit(code)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from training import TrainConfig
+from training.config import input_shape_for
 
 
 class DatasetInfo(BaseModel):
@@ -18,23 +19,43 @@ class DatasetInfo(BaseModel):
     num_classes: int
     input_shape: list[int]
     sha256: str
+    cache: str | None = Field(None, description="prepared file the workers read (training/datacache.py)")
+    reused: bool = Field(False, description="the prepared file of an earlier run matched the source")
+
+
+def val_count(n: int, val_fraction: float) -> int:
+    """Validation samples of a split: the formula of training.data.split_indices."""
+    return max(1, int(round(n * val_fraction)))
 
 
 def describe_dataset(cfg: TrainConfig) -> DatasetInfo:
-    """Load (and, if asked, download) the dataset once; fingerprint what the workers will see."""
-    from training.data import load_data
+    """Prepare the dataset once (download if asked, read, fingerprint, write the prepared file).
 
-    b = load_data(cfg)
+    When a prepared file matching the source exists, only its description is read: no torch,
+    no scikit-learn, no decoding in this process.
+    """
+    from training import datacache
+
     builtin = cfg.dataset in ("digits", "synthetic")
+    found = datacache.lookup(cfg.dataset, cfg.data_root)
+    if found:
+        path, meta = found
+        d = {"cache": str(path), "num_samples": meta["num_samples"], "num_classes": meta["num_classes"],
+             "input_shape": list(input_shape_for(cfg.model, tuple(meta["native_shape"]))),
+             "sha256": meta["sha256"]}
+    else:
+        from training.data import prepare
+
+        d = prepare(cfg)
+    n, n_val = d["num_samples"], val_count(d["num_samples"], cfg.val_fraction)
     return DatasetInfo(
-        name=cfg.dataset, root=None if builtin else cfg.data_root,
-        num_samples=b.fingerprint["num_samples"], train_samples=len(b.train),
-        val_samples=len(b.val), num_classes=b.num_classes, input_shape=list(b.input_shape),
-        sha256=b.fingerprint["sha256"],
+        name=cfg.dataset, root=None if builtin else cfg.data_root, num_samples=n,
+        train_samples=n - n_val, val_samples=n_val, num_classes=d["num_classes"],
+        input_shape=d["input_shape"], sha256=d["sha256"], cache=d["cache"], reused=bool(found),
     )
 
 
 @task(name="prepare-dataset", retry_delay_seconds=5, cache_policy=NO_CACHE)
 def prepare_dataset(cfg: TrainConfig) -> DatasetInfo:
-    """Download or verify the dataset once and record its fingerprint."""
+    """Download or verify the dataset once, record its fingerprint, write the workers' file."""
     return describe_dataset(cfg)

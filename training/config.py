@@ -18,6 +18,18 @@ Precision = Literal["fp32", "bf16", "fp16"]
 Strategy = Literal["single", "dp", "ddp"]
 
 
+MIN_SIDE = 28  # small images (8x8 digits) are upsampled to this side
+
+
+def input_shape_for(model: str, native: tuple[int, ...]) -> tuple[int, int, int]:
+    """The (C, H, W) the model takes, given the dataset's native image shape (torch-free)."""
+    if model == "mlp":
+        return (1, 28, 28)
+    c, h, w = native
+    side = max(MIN_SIDE, h, w)
+    return (3 if model == "resnet18" else c, side, side)
+
+
 class TrainConfig(BaseModel):
     """Everything the worker needs to train, and nothing about the host it runs on."""
 
@@ -61,6 +73,9 @@ class TrainConfig(BaseModel):
     )
     dist_timeout_s: float = Field(300.0, gt=0, description="collective/rendezvous timeout")
     max_steps_per_epoch: int = Field(0, ge=0, description="cap on steps per epoch; 0 = no cap")
+    data_cache: str | None = Field(
+        None, description="prepared dataset file written by the flow's data step (training/datacache.py); "
+        "workers read it instead of the source")
 
     @field_validator("model")
     @classmethod

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, Subset
 
-from .config import TrainConfig
-from .models import input_shape_for
+from . import datacache
+from .config import TrainConfig, input_shape_for
 
 IMAGEFOLDER_SIZE = 64  # square side images from an ImageFolder are resized to
 
@@ -70,7 +70,7 @@ def data_to_device(bundle: DataBundle, device: torch.device, num_workers: int) -
     return replace(bundle, train=train, val=val), True
 
 
-# --- raw sources: each returns (images N,C,H,W float in [0,1], labels N int64, classes) ---
+# --- raw sources: each returns (images N,C,H,W: float in [0,1] or uint8, labels N int64, classes) ---
 
 
 def _digits(cfg: TrainConfig):
@@ -107,7 +107,7 @@ def _torchvision(cfg: TrainConfig):
         ) from None
     data = torch.as_tensor(ds.data)
     x = data.unsqueeze(1) if data.ndim == 3 else data.permute(0, 3, 1, 2)
-    return x.float() / 255.0, torch.as_tensor(ds.targets, dtype=torch.int64), len(ds.classes)
+    return x.contiguous(), torch.as_tensor(ds.targets, dtype=torch.int64), len(ds.classes)  # uint8
 
 
 SOURCES = {"digits": _digits, "synthetic": _synthetic, "mnist": _torchvision,
@@ -134,18 +134,45 @@ def _fingerprint(name: str, *tensors: torch.Tensor) -> dict:
 def split_indices(n: int, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
     """Deterministic split: the same (n, fraction, seed) always gives the same halves."""
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
-    n_val = max(1, int(round(n * val_fraction)))
+    n_val = max(1, int(round(n * val_fraction)))  # tasks.data.val_count mirrors this
     return perm[n_val:], perm[:n_val]
+
+
+def _unit(x: torch.Tensor) -> torch.Tensor:
+    return x.float() / 255.0 if x.dtype == torch.uint8 else x
+
+
+def prepare(cfg: TrainConfig) -> dict:
+    """The flow's data step: read the source once, fingerprint it, write the prepared file.
+
+    Returns {"cache": path or None, "num_samples", "num_classes", "input_shape", "sha256"}.
+    Named sources go to a prepared file (training/datacache.py) that the workers load instead
+    of the source; synthetic data and image folders are described only.
+    """
+    if cfg.dataset.startswith("imagefolder:") or cfg.dataset not in datacache.CACHED:
+        b = load_data(cfg)
+        return {"cache": None, "num_samples": b.fingerprint["num_samples"], "num_classes": b.num_classes,
+                "input_shape": list(b.input_shape), "sha256": b.fingerprint["sha256"]}
+    x, y, num_classes = SOURCES[cfg.dataset](cfg)
+    fp = _fingerprint(cfg.dataset, _unit(x), y)
+    path = datacache.store(cfg.dataset, cfg.data_root, x, y, num_classes, fp)
+    return {"cache": str(path) if path else None, "num_samples": len(y), "num_classes": num_classes,
+            "input_shape": list(input_shape_for(cfg.model, tuple(x.shape[1:]))), "sha256": fp["sha256"]}
 
 
 def load_data(cfg: TrainConfig, fingerprint: bool = True) -> DataBundle:
     """Load, split and shape the dataset named in `cfg` for `cfg.model`.
 
-    fingerprint=False skips hashing the data (workers: the parent already recorded it).
+    With `cfg.data_cache` (set by the flow's data step) the prepared file is read instead of
+    the source. fingerprint=False skips hashing the data (workers: the flow recorded it).
     """
     if cfg.dataset.startswith("imagefolder:"):
         return _load_imagefolder(cfg)
-    x, y, num_classes = SOURCES[cfg.dataset](cfg)
+    if cfg.data_cache:
+        x, y, num_classes = datacache.load(cfg.data_cache)
+    else:
+        x, y, num_classes = SOURCES[cfg.dataset](cfg)
+    x = _unit(x)
     fp = _fingerprint(cfg.dataset, x, y) if fingerprint else {}
     shape = input_shape_for(cfg.model, tuple(x.shape[1:]))
     x = fit_images(x, shape)

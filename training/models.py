@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-MIN_SIDE = 28  # small images (8x8 digits) are upsampled to this side
+from .config import MIN_SIDE, input_shape_for  # noqa: F401  (torch-free, re-exported)
 
 
 class SimpleNN(nn.Module):
@@ -63,15 +63,6 @@ class SmallCNN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.features(x).flatten(1))
-
-
-def input_shape_for(model: str, native: tuple[int, ...]) -> tuple[int, int, int]:
-    """The (C, H, W) the model takes, given the dataset's native image shape."""
-    if model == "mlp":
-        return (1, 28, 28)
-    c, h, w = native
-    side = max(MIN_SIDE, h, w)
-    return (3 if model == "resnet18" else c, side, side)
 
 
 def build_model(name: str, num_classes: int, input_shape: tuple[int, int, int]) -> nn.Module:

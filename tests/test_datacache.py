@@ -1,0 +1,91 @@
+"""Prepared datasets (training/datacache.py): read the source once, reuse it while it is unchanged."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tasks.data import describe_dataset
+from tests.helpers import ROOT, result, run_worker
+from tests.test_training_core import _write_idx
+from training import TrainConfig
+from training.data import DatasetError, load_data
+
+DESCRIBE = """
+import json, sys
+from training import TrainConfig
+from tasks.data import describe_dataset
+info = describe_dataset(TrainConfig(**json.loads(sys.argv[1])))
+print(json.dumps({"info": info.model_dump(), "torch": "torch" in sys.modules,
+                  "sklearn": "sklearn" in sys.modules}))
+"""
+
+
+def describe_in_fresh_process(**cfg) -> dict:
+    out = subprocess.run([sys.executable, "-c", DESCRIBE, json.dumps(cfg)], cwd=ROOT, check=True,
+                         capture_output=True, text=True, timeout=120).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_second_run_reuses_the_prepared_digits_without_importing_torch_or_sklearn(tmp_path):
+    first = describe_in_fresh_process(data_root=str(tmp_path))
+    second = describe_in_fresh_process(data_root=str(tmp_path))
+    assert first["info"]["reused"] is False and first["sklearn"] is True
+    assert second["info"]["reused"] is True
+    assert second["torch"] is False and second["sklearn"] is False
+    assert second["info"] == {**first["info"], "reused": True}
+    assert Path(second["info"]["cache"]).parent == tmp_path / ".gpuflow-cache"
+    # the counts come from the description alone and must match the real split
+    bundle = load_data(TrainConfig(data_root=str(tmp_path)))
+    assert (second["info"]["train_samples"], second["info"]["val_samples"]) == (len(bundle.train), len(bundle.val))
+    assert second["info"]["sha256"] == bundle.fingerprint["sha256"]
+
+
+def test_workers_read_the_prepared_file_and_get_the_same_tensors(tmp_path):
+    info = describe_dataset(TrainConfig(data_root=str(tmp_path), model="cnn"))
+    a = load_data(TrainConfig(data_root=str(tmp_path), model="cnn", data_cache=info.cache))
+    b = load_data(TrainConfig(data_root=str(tmp_path), model="cnn"))
+    for part in ("train", "val"):
+        assert torch.equal(getattr(a, part).x, getattr(b, part).x)
+        assert torch.equal(getattr(a, part).y, getattr(b, part).y)
+    assert a.fingerprint == b.fingerprint and list(a.input_shape) == info.input_shape
+    # and the real worker trains from it
+    run_worker(tmp_path / "w", epochs=1, data_root=str(tmp_path), data_cache=info.cache, batch_size=128)
+    assert result(tmp_path / "w")["epochs_run"] == 1
+
+
+def _mnist(root: Path, seed: int) -> None:
+    raw = root / "MNIST" / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    for prefix, n in (("train", 40), ("t10k", 10)):
+        _write_idx(raw / f"{prefix}-images-idx3-ubyte", torch.randint(0, 256, (n, 28, 28), generator=g))
+        _write_idx(raw / f"{prefix}-labels-idx1-ubyte", torch.arange(n) % 10)
+
+
+def test_a_changed_source_gets_a_fresh_prepared_file(tmp_path):
+    _mnist(tmp_path, seed=0)
+    cfg = TrainConfig(dataset="mnist", data_root=str(tmp_path), val_fraction=0.25)
+    a = describe_dataset(cfg)
+    assert not a.reused and describe_dataset(cfg).reused
+    stored = torch.load(a.cache, weights_only=True)
+    assert stored["x"].dtype == torch.uint8 and tuple(stored["x"].shape) == (40, 1, 28, 28)  # compact
+    _mnist(tmp_path, seed=1)  # the source is replaced: different images
+    b = describe_dataset(cfg)
+    assert not b.reused and b.cache != a.cache and b.sha256 != a.sha256
+    assert b.sha256 == load_data(cfg).fingerprint["sha256"]
+
+
+def test_a_truncated_prepared_file_is_rebuilt_and_an_unreadable_one_names_the_fix(tmp_path):
+    info = describe_dataset(TrainConfig(data_root=str(tmp_path)))
+    Path(info.cache).write_bytes(Path(info.cache).read_bytes()[:100])
+    again = describe_dataset(TrainConfig(data_root=str(tmp_path)))
+    assert not again.reused and again.cache == info.cache and again.sha256 == info.sha256
+    Path(info.cache).write_bytes(b"not a torch file")
+    with pytest.raises(DatasetError, match="Delete it"):
+        load_data(TrainConfig(data_cache=info.cache))

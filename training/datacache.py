@@ -1,0 +1,138 @@
+"""Prepared datasets: the flow reads a named source once into one tensor file; workers load that.
+
+    {data_root}/.gpuflow-cache/{dataset}-{key}.pt     {"x": N,C,H,W, "y": N, "num_classes": K}
+    {data_root}/.gpuflow-cache/{dataset}-{key}.json   what the flow needs, without torch
+
+`key` hashes the source's signature: the library version and the size and mtime of every
+source file (scikit-learn's digits file, or the files under the torchvision folder). Editing,
+replacing or re-downloading the source changes the key, so a stale file is never read.
+
+Why: every worker otherwise imports scikit-learn (~1.2 s) or torchvision and decodes the
+source again, and the flow does it too to fingerprint the data, on every run. With the file
+prepared, the flow's data step on a later run is a few stat calls and a JSON read (no torch,
+no scikit-learn), and each worker loads one tensor file. Nothing here imports torch at
+module level: the flow uses `lookup` before torch is loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import tempfile
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+FORMAT = 1
+CACHED = ("digits", "mnist", "fashion-mnist", "cifar10")  # synthetic is generated; imagefolder stays lazy
+TORCHVISION_FOLDERS = {"mnist": "MNIST", "fashion-mnist": "FashionMNIST", "cifar10": "cifar-10-batches-py"}
+CACHE_DIR = ".gpuflow-cache"
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
+
+
+def _stat(p: Path, base: Path) -> list:
+    st = p.stat()
+    return [str(p.relative_to(base)), st.st_size, st.st_mtime_ns]
+
+
+def source_signature(dataset: str, data_root: str) -> dict | None:
+    """What the source is made of, without reading it; None when it is not on disk (yet)."""
+    if dataset == "digits":
+        spec = importlib.util.find_spec("sklearn")
+        if spec is None or not spec.origin:
+            return None
+        data = Path(spec.origin).parent / "datasets" / "data"
+        files = [_stat(data / "digits.csv.gz", data)] if (data / "digits.csv.gz").is_file() else []
+        return {"dataset": dataset, "scikit-learn": _version("scikit-learn"), "files": files}
+    if dataset in TORCHVISION_FOLDERS:
+        folder = Path(data_root).expanduser().resolve() / TORCHVISION_FOLDERS[dataset]
+        files = sorted(p for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else []
+        if not files:
+            return None
+        return {"dataset": dataset, "torchvision": _version("torchvision"), "folder": str(folder),
+                "files": [_stat(p, folder) for p in files]}
+    return None
+
+
+def paths(dataset: str, data_root: str, signature: dict) -> tuple[Path, Path]:
+    key = hashlib.sha256(json.dumps([FORMAT, signature], sort_keys=True).encode()).hexdigest()[:16]
+    base = Path(data_root).expanduser().resolve() / CACHE_DIR / f"{dataset}-{key}"
+    return base.with_suffix(".pt"), base.with_suffix(".json")
+
+
+def lookup(dataset: str, data_root: str) -> tuple[Path, dict] | None:
+    """The prepared file and its description, when one matches the source as it is now."""
+    if dataset not in CACHED:
+        return None
+    sig = source_signature(dataset, data_root)
+    if sig is None:
+        return None
+    pt, meta_path = paths(dataset, data_root, sig)
+    try:
+        meta = json.loads(meta_path.read_text())
+        if meta.get("format") == FORMAT and meta.get("signature") == sig and pt.stat().st_size == meta["file_size"]:
+            return pt, meta
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return None
+
+
+def _atomic_write(path: Path, write) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.chmod(tmp, 0o644)  # mkstemp makes it 0600; others sharing data_root read it too
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def store(dataset: str, data_root: str, x, y, num_classes: int, fingerprint: dict) -> Path | None:
+    """Write the prepared file (atomically: concurrent runs may race) and its description.
+
+    Returns None, and the workers read the source themselves, when there is no signature or
+    the folder is not writable.
+    """
+    import torch
+
+    sig = source_signature(dataset, data_root) if dataset in CACHED else None
+    if sig is None:
+        return None
+    pt, meta_path = paths(dataset, data_root, sig)
+    try:
+        pt.parent.mkdir(parents=True, exist_ok=True)
+        _atomic_write(pt, lambda tmp: torch.save({"x": x.contiguous(), "y": y.contiguous(),
+                                                  "num_classes": int(num_classes)}, tmp))
+        meta = {"format": FORMAT, "signature": sig, "file_size": pt.stat().st_size,
+                "num_samples": int(len(y)), "num_classes": int(num_classes),
+                "native_shape": [int(d) for d in x.shape[1:]], "dtype": str(x.dtype).removeprefix("torch."),
+                "sha256": fingerprint["sha256"]}
+        _atomic_write(meta_path, lambda tmp: Path(tmp).write_text(json.dumps(meta, indent=1)))
+    except OSError:
+        return None
+    return pt
+
+
+def load(path: str):
+    """(x, y, num_classes) from a prepared file; weights_only: tensors and ints, nothing else."""
+    import torch
+
+    from .data import DatasetError
+
+    try:
+        d = torch.load(path, map_location="cpu", weights_only=True)
+        return d["x"], d["y"], int(d["num_classes"])
+    except Exception as e:  # unpickling, truncation, missing keys: all mean 'rebuild it'
+        raise DatasetError(
+            f"prepared dataset file {path!r} could not be read ({type(e).__name__}: {e}). Delete it "
+            "and run the flow again: its data step writes a fresh one from the source."
+        ) from None
