@@ -1,0 +1,3 @@
+from training import fastexit
+
+fastexit.arm()  # the CLI's fast exit (training/fastexit.py): its handler must run last

@@ -113,5 +113,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def entry() -> int:
+    """The `gpuflow` console script: main(), then leave without the interpreter's teardown."""
+    from training import fastexit
+
+    code = main()
+    fastexit.exit_after_cleanup(code)
+    return code
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry())

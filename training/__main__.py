@@ -9,7 +9,11 @@ import os
 import sys
 from pathlib import Path
 
-from pydantic import ValidationError
+from . import fastexit
+
+fastexit.arm()  # before torch and the rest register theirs: its handler runs last
+
+from pydantic import ValidationError  # noqa: E402
 
 USER_ERRORS = ("ValidationError", "LaunchError", "DatasetError", "CheckpointError", "FileNotFoundError")
 
@@ -32,14 +36,27 @@ def write_json_atomic(path: Path, obj: dict) -> None:
     os.replace(tmp, path)
 
 
-def run(config_path: str, result_path: str | None) -> dict:
-    from . import data, distributed
+def run(config_path: str, result_path: str | None, freeze_imports: bool = False) -> dict:
     from .config import TrainConfig
     from .tracking import MetricsSink
-    from .trainer import Trainer, seed_everything, set_determinism
 
     cfg = TrainConfig.from_json(config_path)
-    sink = MetricsSink(is_main=os.environ.get("RANK", "0") == "0")  # connects in the background
+    # First, before torch: rank 0's MLflow logger process connects while this one starts.
+    sink = MetricsSink(is_main=os.environ.get("RANK", "0") == "0")
+    try:
+        return _train(cfg, sink, config_path, result_path, freeze_imports)
+    finally:
+        sink.close()  # everything logged before this rank exits and the flow reads the run
+
+
+def _train(cfg, sink, config_path: str, result_path: str | None, freeze_imports: bool) -> dict:
+    from . import data, distributed
+    from .trainer import Trainer, seed_everything, set_determinism
+
+    if freeze_imports:  # the entry point only, not a caller's process (tests run this in-process)
+        # Objects from the imports (torch's are many) live to the end: freezing them keeps
+        # the full collection at teardown from scanning them (~0.2 s a rank, measured).
+        gc.freeze()
     ctx = distributed.setup(cfg)
     trainer = None
     try:
@@ -67,7 +84,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     rank = os.environ.get("RANK", "0")
     try:
-        run(args.config, args.result)
+        run(args.config, args.result, freeze_imports=True)
     except Exception as e:
         if type(e).__name__ in USER_ERRORS or isinstance(e, ValidationError):
             print(f"[rank {rank}] error: {e}", file=sys.stderr, flush=True)
@@ -77,4 +94,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    fastexit.exit_after_cleanup(code)
+    sys.exit(code)
