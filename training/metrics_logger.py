@@ -36,6 +36,10 @@ def main() -> int:
         print("error " + f"{type(e).__name__}: {e}".replace("\n", " ")[:2000], flush=True)
         return 3
     print("ready", flush=True)
+    try:  # from here on it is background work: where cores are short, the ranks come first
+        os.nice(10)
+    except (AttributeError, OSError):
+        pass
     for line in sys.stdin:
         try:
             rec = json.loads(line)
