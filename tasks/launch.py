@@ -56,7 +56,8 @@ def build_command(plan: DevicePlan, opts: LaunchOptions, config: Path, result: P
     worker = ["-m", "training", "--config", str(config), "--result", str(result)]
     if plan.strategy != "ddp":
         return [sys.executable, *worker]
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={plan.nproc_per_node}",
+    # training.torchrun is torch.distributed.run with a fast exit (see its docstring)
+    cmd = [sys.executable, "-m", "training.torchrun", f"--nproc-per-node={plan.nproc_per_node}",
            f"--max-restarts={opts.max_restarts}", "--tee=3", f"--log-dir={log_dir}", "--role=rank"]
     if opts.nnodes == 1 and not opts.rdzv_endpoint:
         cmd += ["--standalone",  # c10d on a free localhost port: parallel runs never collide
