@@ -113,11 +113,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def entry() -> int:
+def entry(argv: list[str] | None = None) -> int:
     """The `gpuflow` console script: main(), then leave without the interpreter's teardown."""
     from training import fastexit
 
-    code = main()
+    code = main(argv)
     fastexit.exit_after_cleanup(code)
     return code
 

@@ -184,10 +184,6 @@ def _experiment_id(run_id: str) -> str:
 if __name__ == "__main__":
     import sys
 
-    from training import fastexit
+    from .cli import entry
 
-    from .cli import main
-
-    code = main(["run", *sys.argv[1:]])
-    fastexit.exit_after_cleanup(code)
-    sys.exit(code)
+    sys.exit(entry(["run", *sys.argv[1:]]))

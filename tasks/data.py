@@ -7,7 +7,7 @@ from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel, Field
 
 from training import TrainConfig
-from training.config import input_shape_for
+from training.config import input_shape_for, val_count
 
 
 class DatasetInfo(BaseModel):
@@ -21,11 +21,6 @@ class DatasetInfo(BaseModel):
     sha256: str
     cache: str | None = Field(None, description="prepared file the workers read (training/datacache.py)")
     reused: bool = Field(False, description="the prepared file of an earlier run matched the source")
-
-
-def val_count(n: int, val_fraction: float) -> int:
-    """Validation samples of a split: the formula of training.data.split_indices."""
-    return max(1, int(round(n * val_fraction)))
 
 
 def describe_dataset(cfg: TrainConfig) -> DatasetInfo:

@@ -30,6 +30,11 @@ def input_shape_for(model: str, native: tuple[int, ...]) -> tuple[int, int, int]
     return (3 if model == "resnet18" else c, side, side)
 
 
+def val_count(n: int, val_fraction: float) -> int:
+    """Validation samples when n are split (training.data.split_indices; torch-free for the flow)."""
+    return max(1, int(round(n * val_fraction)))
+
+
 class TrainConfig(BaseModel):
     """Everything the worker needs to train, and nothing about the host it runs on."""
 

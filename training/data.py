@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, Subset
 
 from . import datacache
-from .config import TrainConfig, input_shape_for
+from .config import TrainConfig, input_shape_for, val_count
 
 IMAGEFOLDER_SIZE = 64  # square side images from an ImageFolder are resized to
 
@@ -134,7 +134,7 @@ def _fingerprint(name: str, *tensors: torch.Tensor) -> dict:
 def split_indices(n: int, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
     """Deterministic split: the same (n, fraction, seed) always gives the same halves."""
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
-    n_val = max(1, int(round(n * val_fraction)))  # tasks.data.val_count mirrors this
+    n_val = val_count(n, val_fraction)
     return perm[n_val:], perm[:n_val]
 
 

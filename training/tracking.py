@@ -30,7 +30,6 @@ class MetricsSink:
         self._proc: subprocess.Popen | None = None
         self._status: str | None = None
         self._got_status = threading.Event()
-        self._warned = False
         if not self.run_id:
             return
         try:
@@ -49,28 +48,29 @@ class MetricsSink:
         self._got_status.set()
 
     def _disable(self, why: str) -> None:
-        if not self._warned:
-            print(f"[rank 0] warning: MLflow unavailable, metrics stay in result.json: {why}",
-                  file=sys.stderr, flush=True)
-        self._warned = True
+        """Warn once (run_id is cleared, so no caller gets here twice) and stop logging."""
+        print(f"[rank 0] warning: MLflow unavailable, metrics stay in result.json: {why}",
+              file=sys.stderr, flush=True)
         self.run_id = None
 
-    def _check_status(self) -> None:
-        if self._status and self._status.startswith("error"):
+    def _failed(self) -> bool:
+        """Turn an `error` status from the logger into that warning; True once logging is off."""
+        if self.run_id and self._status and self._status.startswith("error"):
             self._disable(f"run {self.run_id}: {self._status.removeprefix('error').strip()}")
-            self.close()
+        return not self.run_id
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
         """Before the loop: let the logger finish connecting, and report a bad run id early."""
         if self._proc is not None and self.run_id:
             self._got_status.wait(timeout)
-            self._check_status()
+            if self._failed():
+                self.close()
 
     def log_epoch(self, epoch: int, metrics: dict[str, float]) -> None:
         if self._proc is None or not self.run_id:
             return
-        self._check_status()
-        if not self.run_id:
+        if self._failed():
+            self.close()
             return
         line = json.dumps({"step": epoch, "timestamp": int(time.time() * 1000),
                            "metrics": {k: float(v) for k, v in metrics.items()}})
@@ -98,5 +98,4 @@ class MetricsSink:
                   "stopped; some metrics may be missing from MLflow (result.json has them all)",
                   file=sys.stderr, flush=True)
         self._got_status.wait(1)
-        if self.run_id and self._status and self._status.startswith("error"):
-            self._disable(f"run {self.run_id}: {self._status.removeprefix('error').strip()}")
+        self._failed()
