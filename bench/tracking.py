@@ -31,7 +31,7 @@ def main(argv=None) -> dict:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         uri = f"sqlite:///{tmp / 'mlflow.db'}"
-        from tasks.track import prepare_store
+        from tasks.mlrun import prepare_store
 
         prepare_store(uri)
         client = mlflow.MlflowClient()

@@ -87,7 +87,21 @@ def exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
+def wants_tracker(argv: list[str]) -> bool:
+    """`run` on node 0, not just asking for help: the flow will start an MLflow run."""
+    rank = next((a.split("=", 1)[1] if "=" in a else (argv[i + 1] if i + 1 < len(argv) else "")
+                 for i, a in enumerate(argv) if a.split("=", 1)[0] == "--node-rank"), "0")
+    return argv[:1] == ["run"] and not {"-h", "--help"} & set(argv) and rank.strip() in ("0", "")
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if wants_tracker(argv):
+        # The flow's MLflow tracker (tasks/tracker.py) loads MLflow in its own process while
+        # this one loads Prefect (~1 s each). If the run never gets that far, it exits with us.
+        from tasks.tracker import prestart
+
+        prestart()
     args = vars(parser().parse_args(argv))
     command = args.pop("command")
     if command == "probe":

@@ -17,7 +17,7 @@ from prefect.artifacts import create_markdown_artifact
 from tasks.assign import DevicePlan, DeviceRequest, assign_devices
 from tasks.probe import probe_environment
 from tasks.registry import champion_version, checkpoint_of, evaluate_checkpoint
-from tasks.track import default_tracking_uri, prepare_store
+from tasks.mlrun import default_tracking_uri, prepare_store
 
 
 def single_device_request(gpus: str) -> DeviceRequest:

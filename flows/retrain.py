@@ -14,7 +14,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from tasks.registry import champion_version, evaluate_version, promote
-from tasks.track import default_tracking_uri, prepare_store
+from tasks.mlrun import default_tracking_uri, prepare_store
 
 from .infer import assign_one_device
 from .train import train_pipeline

@@ -5,6 +5,15 @@ Run it with `gpuflow run` (or `python -m flows.train --help`), or as a deploymen
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # `python -m flows.train ...` is `gpuflow run ...`
+    # Dispatched before this module's imports: the CLI starts the MLflow tracker before it
+    # loads Prefect (flows/cli.py), and this module is then imported once, as flows.train.
+    import sys
+
+    from flows.cli import entry
+
+    sys.exit(entry(["run", *sys.argv[1:]]))
+
 import socket
 import time
 import uuid
@@ -20,8 +29,9 @@ from tasks.assign import CardLocks, DevicePlan, assign_devices
 from tasks.data import DatasetInfo, prepare_dataset
 from tasks.launch import launch_training, preflight
 from tasks.probe import EnvironmentReport, probe_environment
-from tasks.track import default_tracking_uri, end_run, git_commit, log_json, log_results
-from tasks.track import prepare_store, prewarm, start_run
+from tasks.mlrun import default_tracking_uri, describe_error, git_commit, status_for
+from tasks.track import log_results
+from tasks.tracker import Tracker, TrackerError, TrackerGone, acquire, end_run_here
 
 from .params import PipelineParams
 
@@ -78,6 +88,18 @@ def train_pipeline(
 
 
 def _pipeline(params: PipelineParams) -> dict:
+    uri = params.tracking_uri or default_tracking_uri()
+    # The MLflow tracker loads MLflow on its own core while this process probes and prepares
+    # (tasks/tracker.py); `gpuflow run` started it before Prefect was even imported.
+    tracker = acquire() if params.node_rank == 0 else None
+    try:
+        return _steps(params, uri, tracker)
+    finally:
+        if tracker is not None:
+            tracker.close()
+
+
+def _steps(params: PipelineParams, uri: str, tracker: Tracker | None) -> dict:
     timer = StepTimer()
     with timer("probe"):
         report = probe_environment()
@@ -92,56 +114,57 @@ def _pipeline(params: PipelineParams) -> dict:
         with timer("preflight"):
             preflight(cfg, params.launch_options(params.rdzv_endpoint or "gpuflow"),
                       data.num_classes, data.input_shape)
-        return train_and_track(params, report, plan, data, timer)
+        return train_and_track(params, uri, tracker, report, plan, data, timer)
     finally:
         locks.release()
 
 
-def train_and_track(params: PipelineParams, report: EnvironmentReport, plan: DevicePlan,
-                    data: DatasetInfo, timer: StepTimer) -> dict:
+def train_and_track(params: PipelineParams, uri: str, tracker: Tracker | None, report: EnvironmentReport,
+                    plan: DevicePlan, data: DatasetInfo, timer: StepTimer) -> dict:
     """Own the MLflow run around the launch: it always ends FINISHED, FAILED or KILLED."""
     log = get_run_logger()
-    uri = params.tracking_uri or default_tracking_uri()
-    with timer("mlflow_start"):
-        prepare_store(uri)
-        run_id = start_run(params.experiment, flow_run.get_name() or "train",
-                           params.model_dump(mode="json"), run_tags(params, plan),
-                           data) if params.node_rank == 0 else None
+    run_id = None
+    if tracker is not None:
+        with timer("mlflow_start"):
+            started = tracker.call(
+                "start", uri=uri, experiment=params.experiment, run_name=flow_run.get_name() or "train",
+                params=params.model_dump(mode="json"), tags=run_tags(params, plan),
+                dataset=data.model_dump(mode="json"),
+                artifacts=[{"obj": report.model_dump(mode="json"), "name": "environment_report.json"},
+                           {"obj": plan.model_dump(mode="json"), "name": "device_plan.json"}])
+        run_id = started["run_id"]
     try:
         workdir = Path(params.runs_dir).resolve() / (run_id or f"node{params.node_rank}-{uuid.uuid4().hex[:8]}")
         workdir.mkdir(parents=True, exist_ok=True)
         config = params.train_config(plan, workdir).model_copy(update={"data_cache": data.cache})
         config = config.to_json(workdir / "config.json")
-        if run_id:
-            log_json(run_id, report.model_dump(mode="json"), "environment_report.json")
-            log_json(run_id, plan.model_dump(mode="json"), "device_plan.json")
         launch = launch_training.with_options(retries=params.launch_retries)
-        warm = prewarm() if run_id else None
         with timer("launch"):
             result = launch(config, plan, params.launch_options(rdzv_id=params.rdzv_endpoint or "gpuflow"),
                             workdir, run_id, uri)
         if not run_id:
             return {"node_rank": params.node_rank, "result": result, "timings": timer.seconds}
         with timer("log_results"):
-            warm.join()
-            version = log_results(run_id, result, workdir, params.model, params.registered_model,
+            version = log_results(tracker, run_id, result, workdir, params.model, params.registered_model,
                                   data.num_classes, data.input_shape)
-            summarize(params, plan, result, run_id, version)
-        log_timings(timer.seconds)
-        end_run(run_id)
+            summarize(params, plan, result, run_id, version, started["experiment_id"])
+        tracker.call("log_metrics", run_id=run_id, metrics={f"pipeline.{k}_s": v for k, v in timer.seconds.items()})
+        tracker.call("end", run_id=run_id, status="FINISHED")
         log.info("MLflow run %s finished; model %s version %s", run_id, params.registered_model, version)
         return {"run_id": run_id, "status": "FINISHED", "model_version": version, **result,
                 "timings": timer.seconds}
     except BaseException as e:
         if run_id:
-            end_run(run_id, e)
+            end_run(tracker, uri, run_id, e)
         raise
 
 
-def log_timings(seconds: dict[str, float]) -> None:
-    import mlflow
-
-    mlflow.log_metrics({f"pipeline.{k}_s": v for k, v in seconds.items()})
+def end_run(tracker: Tracker, uri: str, run_id: str, exc: BaseException) -> None:
+    """End the run FAILED or KILLED, through the tracker, or from here if the tracker is gone."""
+    try:
+        tracker.call("end", timeout=120, run_id=run_id, status=status_for(exc), error=describe_error(exc))
+    except (TrackerGone, TrackerError):
+        end_run_here(uri, run_id, exc)
 
 
 def run_tags(params: PipelineParams, plan: DevicePlan) -> dict:
@@ -156,7 +179,8 @@ def run_tags(params: PipelineParams, plan: DevicePlan) -> dict:
     }
 
 
-def summarize(params: PipelineParams, plan: DevicePlan, result: dict, run_id: str, version: str) -> None:
+def summarize(params: PipelineParams, plan: DevicePlan, result: dict, run_id: str, version: str,
+              experiment_id: str) -> None:
     m = result["final_metrics"]
     rows = "\n".join(f"| {k} | {v:.4f} |" for k, v in m.items())
     create_markdown_artifact(
@@ -168,22 +192,9 @@ def summarize(params: PipelineParams, plan: DevicePlan, result: dict, run_id: st
             f"world size {result['world_size']})  \n"
             f"**Epochs run**: {result['epochs_run']}  \n"
             f"**MLflow run**: `{run_id}` (`make ui`, then http://127.0.0.1:5000/#/experiments/"
-            f"{_experiment_id(run_id)}/runs/{run_id})  \n"
+            f"{experiment_id}/runs/{run_id})  \n"
             f"**Registered model**: {params.registered_model} v{version}\n\n"
             f"| metric | value |\n|---|---|\n{rows}\n"
         ),
     )
 
-
-def _experiment_id(run_id: str) -> str:
-    import mlflow
-
-    return mlflow.MlflowClient().get_run(run_id).info.experiment_id
-
-
-if __name__ == "__main__":
-    import sys
-
-    from .cli import entry
-
-    sys.exit(entry(["run", *sys.argv[1:]]))

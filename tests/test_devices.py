@@ -14,7 +14,7 @@ import pytest
 from pydantic import ValidationError
 
 from tasks.assign import AssignmentError, CardLocks, DeviceRequest, assign_devices_for
-from tasks.probe import EnvironmentReport, GpuInfo, read_environment
+from tasks.probe import EnvironmentReport, GpuInfo, read_environment, torch_view_files
 from tests.helpers import ROOT
 
 
@@ -167,6 +167,19 @@ def test_child_sees_exactly_the_assigned_real_gpu():
 
 
 # --- probe --------------------------------------------------------------------------
+
+
+def test_flow_probe_without_gpus_reads_torch_versions_from_its_files_not_an_import():
+    import torch
+
+    files = torch_view_files()
+    assert files["torch_version"] == torch.__version__ and files["cuda_version"] == torch.version.cuda
+    code = ("import sys; from tasks.probe import read_environment; "
+            "r = read_environment(import_torch=False); print(r.torch_version, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=ROOT, check=True).stdout.split()
+    if not read_environment(with_torch=False).gpus:  # with GPUs torch's view comes from a child
+        assert out == [torch.__version__, "False"]
 
 
 def test_probe_on_this_host_never_raises_and_never_initialises_cuda(monkeypatch):

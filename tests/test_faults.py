@@ -165,7 +165,7 @@ def test_bad_input_fails_fast_with_a_clear_message(case, params, fake_host, mess
     if str(params.get("resume", "")).startswith("ckpt:"):
         params["resume"] = _ckpt(tmp_path, params["resume"][5:])
     if fake_host is not None:
-        monkeypatch.setattr("tasks.probe.read_environment", lambda: fake_host)
+        monkeypatch.setattr("tasks.probe.read_environment", lambda **_: fake_host)
     args = {**dict(BASE, gpus="cpu", epochs=1), **params, **store}
     try:
         with pytest.raises(Exception) as err:

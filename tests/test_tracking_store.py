@@ -9,7 +9,7 @@ import types
 import mlflow
 import pytest
 
-from tasks.track import prepare_store, start_run
+from tasks.mlrun import prepare_store, start_run
 
 DATASET = types.SimpleNamespace(name="synthetic", root=None, sha256="ab" * 32, num_samples=10)
 
