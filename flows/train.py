@@ -138,10 +138,14 @@ def train_and_track(params: PipelineParams, uri: str, tracker: Tracker | None, r
         workdir.mkdir(parents=True, exist_ok=True)
         config = params.train_config(plan, workdir).model_copy(update={"data_cache": data.cache})
         config = config.to_json(workdir / "config.json")
+        metrics_file = None
+        if run_id:  # rank 0 appends its epochs here; the tracker logs them to the run as they come
+            metrics_file = workdir / "metrics.jsonl"
+            tracker.call("follow", run_id=run_id, path=str(metrics_file))
         launch = launch_training.with_options(retries=params.launch_retries)
         with timer("launch"):
             result = launch(config, plan, params.launch_options(rdzv_id=params.rdzv_endpoint or "gpuflow"),
-                            workdir, run_id, uri)
+                            workdir, run_id, uri, metrics_file)
         if not run_id:
             return {"node_rank": params.node_rank, "result": result, "timings": timer.seconds}
         with timer("log_results"):

@@ -128,25 +128,33 @@ def _terminate(proc: subprocess.Popen, grace: float = 10.0) -> None:
         pass
 
 
-def child_environment(plan: DevicePlan, run_id: str | None, tracking_uri: str | None) -> dict:
+def child_environment(plan: DevicePlan, run_id: str | None, tracking_uri: str | None,
+                      metrics_file: Path | None = None) -> dict:
+    """The plan's environment, plus the run to attach to and where rank 0 writes its metrics."""
+    from training.tracking import METRICS_FILE_ENV
+
     env = plan.child_environ()
     env["PYTHONUNBUFFERED"] = "1"
-    env.pop("MLFLOW_RUN_ID", None)
+    for inherited in ("MLFLOW_RUN_ID", METRICS_FILE_ENV):
+        env.pop(inherited, None)
     if run_id:
         env["MLFLOW_RUN_ID"] = run_id
+        if metrics_file:
+            env[METRICS_FILE_ENV] = str(metrics_file)
     if tracking_uri:
         env["MLFLOW_TRACKING_URI"] = tracking_uri
     return env
 
 
 def launch(config: Path, plan: DevicePlan, opts: LaunchOptions, workdir: Path, log,
-           run_id: str | None = None, tracking_uri: str | None = None) -> dict:
+           run_id: str | None = None, tracking_uri: str | None = None,
+           metrics_file: Path | None = None) -> dict:
     check_rendezvous(opts)
     result = workdir / "result.json"
     result.unlink(missing_ok=True)
     cmd = build_command(plan, opts, config, result, workdir / "logs")
     log.info("launching: %s", " ".join(cmd))
-    code, tail = run_child(cmd, child_environment(plan, run_id, tracking_uri), workdir, log)
+    code, tail = run_child(cmd, child_environment(plan, run_id, tracking_uri, metrics_file), workdir, log)
     if code != 0:
         raise TrainingFailed(f"training exited with code {code}; last output:\n" + "\n".join(tail[-15:]))
     if not result.is_file():
@@ -158,11 +166,12 @@ def launch(config: Path, plan: DevicePlan, opts: LaunchOptions, workdir: Path, l
 
 @task(name="launch-training", retries=0, cache_policy=NO_CACHE)
 def launch_training(config: Path, plan: DevicePlan, opts: LaunchOptions, workdir: Path,
-                    run_id: str | None = None, tracking_uri: str | None = None) -> dict:
+                    run_id: str | None = None, tracking_uri: str | None = None,
+                    metrics_file: Path | None = None) -> dict:
     """Run the worker with the plan's devices; stream its output; return its results JSON."""
     from prefect import get_run_logger
 
-    return launch(config, plan, opts, workdir, get_run_logger(), run_id, tracking_uri)
+    return launch(config, plan, opts, workdir, get_run_logger(), run_id, tracking_uri, metrics_file)
 
 
 def check_resume(cfg, num_classes: int, input_shape: list[int]) -> None:

@@ -157,6 +157,61 @@ def end_run_here(uri: str, run_id: str, exc: BaseException | None) -> str:
 # --- the server, in the tracker process -------------------------------------------------
 
 
+class Relay(threading.Thread):
+    """Logs the epochs rank 0 appends to its metrics file (training/tracking.py) to the run.
+
+    Complete lines only, each one synchronous log_batch; polls every `interval` seconds, and
+    reads the file to its end once more when stopped, so nothing written before is left out.
+    """
+
+    def __init__(self, run_id: str, path: str, interval: float = 0.5):
+        super().__init__(name="gpuflow-metrics-relay", daemon=True)
+        self.run_id, self.path, self.interval = run_id, path, interval
+        self.offset = os.path.getsize(path) if os.path.exists(path) else 0  # only this run's lines
+        self.logged = 0
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient()
+        while True:
+            stopping = self._halt.wait(self.interval)
+            self._pump(client)
+            if stopping:
+                return
+
+    def _pump(self, client) -> None:
+        from mlflow.entities import Metric
+
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return
+        complete = data[:data.rfind(b"\n") + 1]
+        self.offset += len(complete)
+        for line in complete.splitlines():
+            try:
+                rec = json.loads(line)
+                batch = [Metric(k, float(v), int(rec["timestamp"]), int(rec["step"]))
+                         for k, v in rec["metrics"].items()]
+                client.log_batch(self.run_id, metrics=batch, synchronous=True)
+                self.logged += 1
+            except Exception as e:  # noqa: BLE001 - one bad line must not lose the others
+                print(f"gpuflow tracker: could not log metrics line {line[:200]!r}: "
+                      f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
+
+    def finish(self) -> int:
+        """Stop after logging everything in the file now; returns the lines logged."""
+        self._halt.set()
+        self.join()
+        return self.logged
+
+
+
+
 class Session:
     """The tracker's state: the run it started and the imports that registration needs."""
 
@@ -164,6 +219,7 @@ class Session:
         self.run_id: str | None = None
         self.ended = False
         self.warm: threading.Thread | None = None
+        self.relay: Relay | None = None
 
     def start(self, uri: str, experiment: str, run_name: str, params: dict, tags: dict,
               dataset: dict, artifacts: list[dict], system_metrics_interval: float = 2.0) -> dict:
@@ -186,9 +242,20 @@ class Session:
         self.warm.start()
         return {"run_id": self.run_id, "experiment_id": mlflow.active_run().info.experiment_id}
 
+    def follow(self, run_id: str, path: str) -> None:
+        """Relay rank 0's metrics file to the run until the run's results are logged."""
+        self.drain()
+        self.relay = Relay(run_id, path)
+        self.relay.start()
+
+    def drain(self) -> int:
+        relay, self.relay = self.relay, None
+        return relay.finish() if relay is not None else 0
+
     def log_results(self, **kw) -> str:
         from .mlrun import log_results
 
+        self.drain()  # the workers have exited: their last epochs are in the file
         if self.warm is not None:
             self.warm.join()
         return log_results(**kw)
@@ -201,6 +268,7 @@ class Session:
     def end(self, run_id: str, status: str, error: str | None = None) -> str:
         from .mlrun import finish_run
 
+        self.drain()  # a failed run keeps the epochs it finished
         out = finish_run(run_id, status, error)
         if run_id == self.run_id:
             self.ended = True
@@ -253,7 +321,7 @@ def serve(requests, reply) -> None:
         import mlflow.store.tracking.sqlalchemy_store  # noqa: F401
     except Exception as e:  # reported to the first request, which the flow turns into an error
         failed_import = e
-    ops = {"start": session.start, "log_results": session.log_results,
+    ops = {"start": session.start, "follow": session.follow, "log_results": session.log_results,
            "log_metrics": session.log_metrics, "end": session.end}
     try:
         for line in requests:

@@ -135,3 +135,35 @@ def test_acquire_takes_the_early_tracker_while_it_lives(monkeypatch):
     (["run", "--help"], False), (["probe"], False), ([], False)])
 def test_the_cli_starts_a_tracker_only_for_runs_that_will_own_an_mlflow_run(argv, want):
     assert wants_tracker(argv) is want
+
+
+def test_tracker_relays_rank0_metrics_file_to_the_run_live_and_completely(tmp_path, monkeypatch):
+    from training.tracking import METRICS_FILE_ENV, MetricsSink
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    path = tmp_path / "metrics.jsonl"
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    t = Tracker()
+    try:
+        run_id = start(t, uri)["run_id"]
+        t.call("follow", run_id=run_id, path=str(path))
+        monkeypatch.setenv("MLFLOW_RUN_ID", run_id)
+        monkeypatch.setenv(METRICS_FILE_ENV, str(path))
+        sink = MetricsSink(is_main=True)  # rank 0 under the flow: a file, no logger process
+        assert sink._proc is None
+        for epoch in (1, 2):
+            sink.log_epoch(epoch, {"val_accuracy": epoch / 10})
+        deadline = time.monotonic() + 30  # live: logged while the run is still open
+        while len(client.get_metric_history(run_id, "val_accuracy")) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(client.get_metric_history(run_id, "val_accuracy")) == 2
+        sink.log_epoch(3, {"val_accuracy": 0.3})
+        sink.close()
+        with open(path, "a") as f:
+            f.write('{"step": 4, "timestamp": 0, "metr')  # a line cut short by a crash
+        t.call("end", run_id=run_id, status="FINISHED")  # logs what is complete, then ends
+    finally:
+        t.close()
+    hist = client.get_metric_history(run_id, "val_accuracy")
+    assert sorted((m.step, m.value) for m in hist) == [(1, 0.1), (2, 0.2), (3, 0.3)]
+    assert client.get_run(run_id).info.status == "FINISHED"

@@ -1,8 +1,14 @@
 """Rank-0 metric streaming into the MLflow run the flow created (attach, never create).
 
-Global rank 0 starts `training/metrics_logger.py` as its own child process, first thing, and
-writes one JSON line per epoch to it. The logger imports MLflow and connects while the ranks
-import torch, meet and load data, so the training process never imports MLflow at all.
+Two ways, both one JSON line per epoch, so the training process never imports MLflow:
+
+- Under the flow (GPUFLOW_METRICS_FILE set): rank 0 appends the line to that file, and the
+  flow's tracker process, which has MLflow loaded already, logs each new line to the run
+  within half a second (tasks/tracker.py). Nothing MLflow runs beside the ranks.
+- Started by hand with MLFLOW_RUN_ID only: rank 0 starts `training/metrics_logger.py` as its
+  own child process, first thing; the logger imports MLflow and connects while the ranks
+  import torch, meet and load data.
+
 Torch-free: rank 0 creates the sink before it imports torch.
 """
 
@@ -18,6 +24,7 @@ import time
 from pathlib import Path
 
 LOGGER = Path(__file__).with_name("metrics_logger.py")
+METRICS_FILE_ENV = "GPUFLOW_METRICS_FILE"  # set by the flow: its tracker relays the lines
 READY_TIMEOUT_S = 60.0  # the loop starts anyway after this; epochs queue in the pipe meanwhile
 CLOSE_TIMEOUT_S = 120.0  # how long rank 0 waits at exit for queued metrics to be written
 
@@ -28,9 +35,17 @@ class MetricsSink:
     def __init__(self, is_main: bool):
         self.run_id = os.environ.get("MLFLOW_RUN_ID") if is_main else None
         self._proc: subprocess.Popen | None = None
+        self._file = None
         self._status: str | None = None
         self._got_status = threading.Event()
         if not self.run_id:
+            return
+        relay = os.environ.get(METRICS_FILE_ENV)
+        if relay:
+            try:
+                self._file = open(relay, "a", encoding="utf-8")
+            except OSError as e:
+                self._disable(f"cannot write the metrics file {relay!r}: {e}")
             return
         try:
             # -P: the script's folder (training/, with config.py, data.py...) stays off sys.path
@@ -67,13 +82,22 @@ class MetricsSink:
                 self.close()
 
     def log_epoch(self, epoch: int, metrics: dict[str, float]) -> None:
-        if self._proc is None or not self.run_id:
+        if not self.run_id:
+            return
+        line = json.dumps({"step": epoch, "timestamp": int(time.time() * 1000),
+                           "metrics": {k: float(v) for k, v in metrics.items()}})
+        if self._file is not None:
+            try:  # a whole line per write: the tracker logs complete lines only
+                self._file.write(line + "\n")
+                self._file.flush()
+            except OSError as e:
+                self._disable(f"cannot write the metrics file: {e}")
+            return
+        if self._proc is None:
             return
         if self._failed():
             self.close()
             return
-        line = json.dumps({"step": epoch, "timestamp": int(time.time() * 1000),
-                           "metrics": {k: float(v) for k, v in metrics.items()}})
         try:
             self._proc.stdin.write(line + "\n")
             self._proc.stdin.flush()
@@ -82,6 +106,9 @@ class MetricsSink:
 
     def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
         """Let the logger write what it has queued and exit (idempotent)."""
+        f, self._file = self._file, None
+        if f is not None:
+            f.close()
         proc, self._proc = self._proc, None
         if proc is None:
             return
