@@ -75,8 +75,10 @@ def main(argv=None) -> dict:
         OUT.write_text("\n### ".join(parts).rstrip("\n") + "\n\n" + section)
         ratios = json.loads(OUT_JSON.read_text()) if OUT_JSON.is_file() else {}
         r = res["rates"]
-        ratios[head.removeprefix("### ")] = {p: r[f"ours/{p}"]["median"] / r[f"bare/{p}"]["median"]
-                                            for p in PRECISIONS}
+        ratios[head.removeprefix("### ")] = {
+            **{p: r[f"ours/{p}"]["median"] / r[f"bare/{p}"]["median"] for p in PRECISIONS},
+            "paired": {p: summary([o / b for o, b in zip(rates["ours", p], rates["bare", p], strict=True)])
+                       for p in PRECISIONS}}
         OUT_JSON.write_text(json.dumps(ratios, indent=2))
         print(f"wrote {OUT}")
     return res

@@ -99,7 +99,7 @@ def table(res: dict) -> str:
         f = res["walls"]["floor"]
         rows += [f"| empty Prefect flow + 1 task on the running server (the floor) | {fmt(f, 1)} | "
                  f"{f['median'] / b:.2f} |",
-                 f"| bare script + that floor (best any Prefect-run launch can do) | "
+                 f"| bare script + that floor (a Prefect-run launch that overlapped nothing) | "
                  f"{b + f['median']:.1f} | {(b + f['median']) / b:.2f} |"]
     names = list(res["steps"]["server"][0])
     rows += ["", "Per-step seconds (median over repeats), measured inside the flow:", "",

@@ -6,8 +6,9 @@ Why a process: importing MLflow and building its SQL store takes ~1.8 s of CPU, 
 registration step needs torch and mlflow.pytorch (~2 s more). In the flow's own process all
 of that ran serially before and after the launch, on one core, while the other idled. The
 tracker is started when the flow starts (by `gpuflow run` even before Prefect is imported),
-so MLflow is loaded beside Prefect's start-up, the probe and the data step, and the
-registration imports are done on its own core while the flow waits for nothing.
+so MLflow is loaded beside Prefect's start-up, the probe and the data step; the registration
+imports run at low priority during the launch; and rank 0's metrics are logged from here
+(`follow`), so nothing beside the ranks imports MLflow.
 
 The run is still the flow's: the flow decides when it starts and how it ends, and only the
 flow's tracker creates or ends it (ARCHITECTURE.md, contracts). Nothing is lost if either
@@ -15,8 +16,11 @@ side dies: if the flow process goes away (killed, crashed) the tracker sees its 
 and ends a still-open run as KILLED; if the tracker dies, the flow ends the run itself
 (`end_run_here`).
 
-Protocol: one JSON object per line on stdin, {"op": name, "args": {...}}; one reply line per
-request, {"ok": value} or {"error": "Type: message"}. Nothing is read from the store before
+Protocol: one JSON object per line on stdin, {"id": n, "op": name, "args": {...}}; one reply
+line per request, {"id": n, "ok": value} or {"id": n, "error": "Type: message"}. Operations:
+`start` (store, run, params, tags, dataset, environment artifacts), `follow` (relay rank 0's
+metrics file to the run), `log_results` (artifacts and the registered model), `log_metrics`,
+`end` (status; logs the relay's last lines first). Nothing is read from the store before
 the first `start`, so a flow that fails before its MLflow step leaves no trace in it.
 Imports only the standard library, MLflow, and (for registration) torch and training/.
 """
@@ -208,8 +212,6 @@ class Relay(threading.Thread):
         self._halt.set()
         self.join()
         return self.logged
-
-
 
 
 class Session:
