@@ -105,18 +105,11 @@ class Tracker:
 
     def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
         """End the tracker (idempotent). A run it still holds open is ended as KILLED."""
+        from training.tracking import close_child
+
         proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        try:
-            proc.stdin.close()
-        except OSError:
-            pass
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        if proc is not None:
+            close_child(proc, timeout)
 
     def kill(self) -> None:
         proc, self._proc = self._proc, None

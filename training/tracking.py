@@ -29,6 +29,24 @@ READY_TIMEOUT_S = 60.0  # the loop starts anyway after this; epochs queue in the
 CLOSE_TIMEOUT_S = 120.0  # how long rank 0 waits at exit for queued metrics to be written
 
 
+def close_child(proc: subprocess.Popen, timeout: float) -> bool:
+    """Close a helper's input (its signal to finish) and wait; kill it after `timeout` s.
+
+    True if it exited by itself in time.
+    """
+    try:
+        proc.stdin.close()
+    except OSError:
+        pass
+    try:
+        proc.wait(timeout)
+        return True
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        return False
+
+
 class MetricsSink:
     """Logs per-epoch metrics to MLFLOW_RUN_ID when set and this is global rank 0."""
 
@@ -112,15 +130,7 @@ class MetricsSink:
         proc, self._proc = self._proc, None
         if proc is None:
             return
-        try:
-            proc.stdin.close()
-        except OSError:
-            pass
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        if not close_child(proc, timeout):
             print(f"[rank 0] warning: the MLflow logger did not finish within {timeout:.0f} s and was "
                   "stopped; some metrics may be missing from MLflow (result.json has them all)",
                   file=sys.stderr, flush=True)
