@@ -12,6 +12,7 @@ import json
 import sqlite3
 import subprocess
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,15 +51,33 @@ def prepare_store(uri: str) -> None:
     """Point MLflow at `uri`; for SQLite create the schema and switch it to WAL once.
 
     WAL lets the training child append metrics while the flow writes system metrics and
-    other runs write theirs, instead of failing with 'database is locked'.
+    other runs write theirs, instead of failing with 'database is locked'. Flows started
+    together on a new database would each create its tables and collide ('table ... already
+    exists'): the creation holds a lock file beside the database (`<db>-lock`).
     """
     import mlflow
 
     mlflow.set_tracking_uri(uri)
     if uri.startswith("sqlite:///"):
-        mlflow.MlflowClient().search_experiments(max_results=1)  # creates tables if missing
-        with sqlite3.connect(uri.removeprefix("sqlite:///"), timeout=30) as db:
-            db.execute("PRAGMA journal_mode=WAL")
+        db_path = Path(uri.removeprefix("sqlite:///"))
+        db_path.parent.mkdir(parents=True, exist_ok=True)
+        with _exclusive(db_path.with_name(db_path.name + "-lock")):
+            mlflow.MlflowClient().search_experiments(max_results=1)  # creates tables if missing
+            with sqlite3.connect(db_path, timeout=30) as db:
+                db.execute("PRAGMA journal_mode=WAL")
+
+
+@contextmanager
+def _exclusive(lock_path: Path):
+    """An exclusive lock between processes on this host (released if the holder dies)."""
+    import fcntl
+
+    with open(lock_path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def git_commit() -> str | None:

@@ -78,3 +78,30 @@ def test_rank0_logger_process_writes_every_epoch_before_close_returns(tmp_path, 
     assert len(client.get_metric_history(run_id, "train_loss")) == 3
     sink.log_epoch(4, {"val_accuracy": 0.4})  # after close: ignored, no error
     assert client.get_run(run_id).info.status == "RUNNING"  # the logger never ends the run
+
+
+PREPARE_AT = """
+import sys, time
+import mlflow  # imported before the start time: the creations overlap as closely as possible
+from tasks.mlrun import prepare_store
+time.sleep(max(0.0, float(sys.argv[2]) - time.time()))
+prepare_store(sys.argv[1])
+"""
+
+
+@pytest.mark.parametrize("trial", range(2))
+def test_processes_creating_a_new_store_together_all_succeed(tmp_path, trial):
+    # Three flows started at once on a fresh mlflow.db each create its tables; without the
+    # lock in tasks.mlrun.prepare_store they collide ('table ... already exists', seen in CI).
+    import subprocess
+    import sys
+    import time
+
+    uri = f"sqlite:///{tmp_path / 'sub' / 'mlflow.db'}"
+    at = str(time.time() + 8)
+    procs = [subprocess.Popen([sys.executable, "-c", PREPARE_AT, uri, at], stderr=subprocess.PIPE, text=True)
+             for _ in range(4)]
+    errs = [p.communicate(timeout=180)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0] * 4, "\n".join(e[-1500:] for e in errs)
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    assert client.search_experiments()[0].name == "Default"
