@@ -12,7 +12,6 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from .mlrun import default_tracking_uri, end_run, git_commit, prepare_store, start_run  # noqa: F401
 from .tracker import Tracker
 
 

@@ -62,10 +62,11 @@ class Tracker:
         self._proc: subprocess.Popen | None = subprocess.Popen(
             [sys.executable, "-P", "-m", "tasks.tracker"], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, text=True, bufsize=1, start_new_session=True)
-        threading.Thread(target=self._read, name="gpuflow-tracker-replies", daemon=True).start()
+        threading.Thread(target=self._read, args=(self._proc.stdout,), name="gpuflow-tracker-replies",
+                         daemon=True).start()
 
-    def _read(self) -> None:
-        for line in self._proc.stdout:
+    def _read(self, replies) -> None:  # its own handle: close() and kill() clear self._proc
+        for line in replies:
             self._replies.put(line)
         self._replies.put(None)
 
@@ -179,7 +180,7 @@ class Relay(threading.Thread):
                 return
 
     def _pump(self, client) -> None:
-        from mlflow.entities import Metric
+        from training.metrics_logger import log_line
 
         try:
             with open(self.path, "rb") as f:
@@ -191,10 +192,7 @@ class Relay(threading.Thread):
         self.offset += len(complete)
         for line in complete.splitlines():
             try:
-                rec = json.loads(line)
-                batch = [Metric(k, float(v), int(rec["timestamp"]), int(rec["step"]))
-                         for k, v in rec["metrics"].items()]
-                client.log_batch(self.run_id, metrics=batch, synchronous=True)
+                log_line(client, self.run_id, line)
                 self.logged += 1
             except Exception as e:  # noqa: BLE001 - one bad line must not lose the others
                 print(f"gpuflow tracker: could not log metrics line {line[:200]!r}: "

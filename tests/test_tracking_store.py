@@ -17,7 +17,7 @@ DATASET = types.SimpleNamespace(name="synthetic", root=None, sha256="ab" * 32, n
 @pytest.mark.parametrize("trial", range(3))
 def test_runs_started_together_all_link_the_same_dataset(tmp_path, trial):
     # MLflow's SQL store checks for the dataset row, then inserts it: without the retry in
-    # tasks.track.log_dataset one of these starts fails the UNIQUE constraint (seen in CI)
+    # tasks.mlrun.log_dataset one of these starts fails the UNIQUE constraint (seen in CI)
     # and its run stays RUNNING.
     prepare_store(f"sqlite:///{tmp_path / 'mlflow.db'}")
     n, errors = 6, []

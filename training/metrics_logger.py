@@ -20,6 +20,18 @@ import os
 import sys
 
 
+def log_line(client, run_id: str, line: str | bytes) -> None:
+    """Log one line of MetricsSink's format as one synchronous log_batch.
+
+    Shared with the flow's tracker (tasks/tracker.py), which reads the same lines from a file.
+    """
+    from mlflow.entities import Metric
+
+    rec = json.loads(line)
+    batch = [Metric(k, float(v), int(rec["timestamp"]), int(rec["step"])) for k, v in rec["metrics"].items()]
+    client.log_batch(run_id, metrics=batch, synchronous=True)
+
+
 def warn(msg: str) -> None:
     print(f"[rank 0] warning: {msg}", file=sys.stderr, flush=True)
 
@@ -27,7 +39,6 @@ def warn(msg: str) -> None:
 def main() -> int:
     run_id = os.environ.get("MLFLOW_RUN_ID", "")
     try:
-        from mlflow.entities import Metric
         from mlflow.tracking import MlflowClient
 
         client = MlflowClient()
@@ -42,10 +53,7 @@ def main() -> int:
         pass
     for line in sys.stdin:
         try:
-            rec = json.loads(line)
-            batch = [Metric(k, float(v), int(rec["timestamp"]), int(rec["step"]))
-                     for k, v in rec["metrics"].items()]
-            client.log_batch(run_id, metrics=batch, synchronous=True)
+            log_line(client, run_id, line)
         except Exception as e:  # tracking trouble must not kill training; result.json keeps all
             warn(f"could not log metrics to MLflow: {type(e).__name__}: {e}")
     return 0
