@@ -14,7 +14,7 @@ $(VENV_OK): pyproject.toml
 	touch $(VENV_OK)
 
 run: $(VENV_OK)          ## the main job: the training pipeline flow on its defaults
-	$(PY) -m flows.train $(ARGS)
+	.venv/bin/gpuflow run $(ARGS)
 
 test: $(VENV_OK)         ## the test suite (CPU; gpu-marked tests skip without CUDA)
 	$(PY) -m pytest $(PYTEST_ARGS)
@@ -26,7 +26,7 @@ server: $(VENV_OK)       ## a Prefect server on 127.0.0.1:4200
 	.venv/bin/prefect server start --host $(HOST) --port 4200
 
 serve: $(VENV_OK)        ## serve the deployments (needs `make server` in another terminal)
-	PREFECT_API_URL=http://$(HOST):4200/api $(PY) -m flows.serve
+	PREFECT_API_URL=http://$(HOST):4200/api $(PY) -m gpuflow.flows.serve
 
 ui: $(VENV_OK)           ## the MLflow UI on 127.0.0.1:5000 over mlflow.db
 	.venv/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db --host $(HOST) --port 5000

@@ -24,9 +24,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from training.config import TrainConfig  # noqa: E402  (data only, to feed identical tensors)
-from training.data import load_data  # noqa: E402
-from training.models import build_model  # noqa: E402
+from gpuflow.training.config import TrainConfig  # noqa: E402  (data only, to feed identical tensors)
+from gpuflow.training.data import load_data  # noqa: E402
+from gpuflow.training.models import build_model  # noqa: E402
 
 
 class SimpleNN(nn.Module):

@@ -70,7 +70,7 @@ def launcher(world: int) -> list[str]:
 def run_worker(tmp: Path, cfg: dict, world: int = 1, **extra_env) -> tuple[dict, float]:
     """Run gpuflow's worker on `cfg` (written to tmp/cfg.json); return (result.json, wall s)."""
     (tmp / "cfg.json").write_text(json.dumps(cfg))
-    wall, _ = run([*launcher(world), "-m", "training", "--config", str(tmp / "cfg.json")], **extra_env)
+    wall, _ = run([*launcher(world), "-m", "gpuflow.training", "--config", str(tmp / "cfg.json")], **extra_env)
     return json.loads((tmp / "result.json").read_text()), wall
 
 

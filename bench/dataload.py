@@ -11,8 +11,8 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from bench.common import summary
-from training import TrainConfig
-from training.data import load_data, train_loader
+from gpuflow.training import TrainConfig
+from gpuflow.training.data import load_data, train_loader
 
 
 def rate(loader, n: int) -> float:

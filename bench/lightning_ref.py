@@ -16,8 +16,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.bare_ddp import SimpleNN, parse_args  # noqa: E402
-from training.config import TrainConfig  # noqa: E402
-from training.data import load_data  # noqa: E402
+from gpuflow.training.config import TrainConfig  # noqa: E402
+from gpuflow.training.data import load_data  # noqa: E402
 
 
 class Module(L.LightningModule):

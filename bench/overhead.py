@@ -30,7 +30,7 @@ def pipeline(tmp: Path, a, api_url: str | None) -> tuple[float, dict]:
              "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180"}
     if api_url:
         extra["PREFECT_API_URL"] = api_url
-    wall, out = run([PY, "-m", "flows.train", *job_args(a), "--runs-dir", str(tmp / "runs"),
+    wall, out = run([PY, "-m", "gpuflow.flows.train", *job_args(a), "--runs-dir", str(tmp / "runs"),
                      "--tracking-uri", f"sqlite:///{tmp / 'mlflow.db'}"], cwd=tmp, **extra)
     summary_json = json.loads(out[out.index("{"):out.rindex("}") + 1])
     return wall, summary_json["timings"]

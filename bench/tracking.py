@@ -21,8 +21,8 @@ MODES = ("off", "on", "logger")
 def one(tmp: Path, a, mode: str, uri: str, run_n: int) -> tuple[float, float]:
     import mlflow
 
-    from tasks.tracker import Tracker
-    from training.tracking import METRICS_FILE_ENV
+    from gpuflow.tasks.tracker import Tracker
+    from gpuflow.training.tracking import METRICS_FILE_ENV
 
     client = mlflow.MlflowClient(tracking_uri=uri)
     cfg = {"dataset": "synthetic", "synthetic_size": a.size, "epochs": a.epochs, "model": a.model,
@@ -65,7 +65,7 @@ def main(argv=None) -> dict:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         uri = f"sqlite:///{tmp / 'mlflow.db'}"
-        from tasks.mlrun import prepare_store
+        from gpuflow.tasks.mlrun import prepare_store
 
         prepare_store(uri)
         for i in range(a.repeats):

@@ -1,7 +1,13 @@
-"""`gpuflow`: run the training pipeline, or print what this machine offers.
+"""`gpuflow`: run the training pipeline, evaluate or apply a registered model, probe the host.
 
-    gpuflow run [--epochs 3 --gpus 3,2 --strategy dp ...]   the pipeline flow
+    gpuflow run [--epochs 3 --gpus 3,2 --strategy dp ...]   the train pipeline flow
+    gpuflow evaluate [--version champion --gpus 3,]         loss and accuracy on a split
+    gpuflow infer --inputs x.pt [--version 2 --gpus cpu]    predictions for a tensor file
     gpuflow probe [--json]                                  GPUs, versions, backends
+
+`--gpus` means the same everywhere: auto, cpu, a count ('2'), or physical ids ('3,2';
+'3,' is GPU 3 alone). Every option of `run` is a parameter of the flow and of its
+deployments (`prefect deployment run 'train-pipeline/ddp' -p epochs=3`).
 """
 
 from __future__ import annotations
@@ -12,39 +18,105 @@ import os
 import sys
 import typing
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
+
+from gpuflow.training.errors import UserError
+
+from .params import EvaluateParams, InferParams, PipelineParams, origin_is, user_fields
 
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 
+REST = "rest"  # json_schema_extra={"cli": REST}: the field takes every argument after `--`
 
-def _add_field(p: argparse.ArgumentParser, name: str, field) -> None:
+
+def _json_arg(flag: str, kind: type):
+    example = '{"width": 512}' if kind is dict else '["--lr", "0.01"]'
+
+    def parse(text: str):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"{flag} takes JSON ({e.msg}), e.g. {example}")
+        if not isinstance(value, kind):
+            raise argparse.ArgumentTypeError(f"{flag} takes a JSON {kind.__name__}, got {text!r}")
+        return value
+    return parse
+
+
+def add_field(p: argparse.ArgumentParser, name: str, field) -> None:
+    """One option for one declared field: its type, choices, default and help."""
     flag = "--" + name.replace("_", "-")
     kind = field.annotation
+    default = "required" if field.is_required() else f"default: {json.dumps(field.default)}"
+    help_ = f"{field.description or ''} ({default})".strip()
+    extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
     args = [a for a in typing.get_args(kind) if a is not type(None)]
-    help_ = f"{field.description or ''} (default: {field.default})".strip()
+    if extra.get("cli") == REST:
+        return  # filled from the arguments after `--` (see parse)
     if kind is bool:
         p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, help=help_)
     elif typing.get_origin(kind) is typing.Literal:
         p.add_argument(flag, dest=name, choices=list(typing.get_args(kind)), help=help_)
+    elif origin_is(kind, dict) or origin_is(kind, list):
+        p.add_argument(flag, dest=name, type=_json_arg(flag, dict if origin_is(kind, dict) else list),
+                       metavar="JSON", help=help_)
     else:
         base = next((a for a in (kind, *args) if a in (int, float, str)), str)
-        p.add_argument(flag, dest=name, type=base, metavar=name.upper(), help=help_)
+        p.add_argument(flag, dest=name, type=base, metavar=name.upper(), help=help_,
+                       required=field.is_required())
+
+
+def add_model(p: argparse.ArgumentParser, model: type[BaseModel]) -> None:
+    for name, field in user_fields(model).items():
+        add_field(p, name, field)
+    p.set_defaults(_model=model)
+
+
+def rest_field(model: type[BaseModel]) -> str | None:
+    return next((n for n, f in model.model_fields.items()
+                 if isinstance(f.json_schema_extra, dict) and f.json_schema_extra.get("cli") == REST), None)
 
 
 def parser() -> argparse.ArgumentParser:
-    from .params import user_fields
-
     top = argparse.ArgumentParser(prog="gpuflow", description=__doc__,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = top.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="run the training pipeline flow (ephemeral Prefect API unless "
-                         "PREFECT_API_URL is set; MLflow in ./mlflow.db unless MLFLOW_TRACKING_URI)",
-                         argument_default=argparse.SUPPRESS)
-    for name, field in user_fields().items():
-        _add_field(run, name, field)
+    kw = dict(argument_default=argparse.SUPPRESS)
+    add_model(sub.add_parser("run", help="run the train pipeline flow (ephemeral Prefect API unless "
+                             "PREFECT_API_URL is set; MLflow in ./mlflow.db unless MLFLOW_TRACKING_URI)",
+                             **kw), PipelineParams)
+    add_model(sub.add_parser("evaluate", help="loss and accuracy of a registered version on one device "
+                             "(the evaluate-model flow)", **kw), EvaluateParams)
+    add_model(sub.add_parser("infer", help="predictions of a registered version for a tensor file, "
+                             "on one device", **kw), InferParams)
     probe = sub.add_parser("probe", help="print GPUs, driver/CUDA/NCCL versions and backends")
     probe.add_argument("--json", action="store_true", help="machine-readable output")
     return top
+
+
+def parse(argv: list[str]) -> tuple[str, type[BaseModel] | None, dict]:
+    """(command, its parameter model, the values given); arguments after `--` go to a REST field."""
+    rest: list[str] | None = None
+    if "--" in argv:
+        i = argv.index("--")
+        argv, rest = argv[:i], argv[i + 1:]
+    p = parser()
+    ns = vars(p.parse_args(argv))
+    command, model = ns.pop("command"), ns.pop("_model", None)
+    if rest is not None:
+        target = rest_field(model) if model else None
+        if target is None:
+            p.error(f"`gpuflow {command}` takes no arguments after --")
+        ns[target] = rest
+    return command, model, ns
+
+
+def one_line(e: BaseException) -> str:
+    """A user error as one line: each bad value, what was wrong, no traceback."""
+    if isinstance(e, ValidationError):
+        return "; ".join(f"{'.'.join(map(str, err['loc'])) or 'value'}={err.get('input')!r}: "
+                         f"{err['msg'].removeprefix('Value error, ')}" for err in e.errors())
+    return str(e).replace("\n", " ")
 
 
 def print_report(report) -> None:
@@ -72,12 +144,9 @@ def print_report(report) -> None:
 
 
 def exit_on_sigterm() -> None:
-    """Turn SIGTERM into SystemExit(143).
+    """Turn SIGTERM into SystemExit(143), so exit handlers run (the ephemeral API stops too).
 
-    After the flow handles SIGTERM (run marked KILLED, workers stopped), Prefect re-sends the
-    signal to the previous handler; with Python's default one the process dies on the spot,
-    atexit never runs, and the ephemeral Prefect API server is left behind. This handler
-    makes the exit a normal one, so that server is stopped too.
+    Prefect's own SIGTERM handling ends the flow run first, then calls this handler.
     """
     import signal
 
@@ -87,54 +156,46 @@ def exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
-def wants_tracker(argv: list[str]) -> bool:
-    """`run` on node 0, not just asking for help: the flow will start an MLflow run."""
-    rank = next((a.split("=", 1)[1] if "=" in a else (argv[i + 1] if i + 1 < len(argv) else "")
-                 for i, a in enumerate(argv) if a.split("=", 1)[0] == "--node-rank"), "0")
-    return argv[:1] == ["run"] and not {"-h", "--help"} & set(argv) and rank.strip() in ("0", "")
+def run(values: dict) -> dict:
+    from .train import train_pipeline
+
+    out = train_pipeline(**values)
+    return {k: out.get(k) for k in ("run_id", "status", "model_version", "epochs_run", "world_size",
+                                    "final_metrics", "timings")}
+
+
+def evaluate(values: dict) -> dict:
+    from .infer import evaluate_model
+
+    return evaluate_model(**values)
+
+
+def infer(values: dict) -> dict:
+    from .infer import predict
+
+    return predict(InferParams(**values))
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if wants_tracker(argv):
-        # The flow's MLflow tracker (tasks/tracker.py) loads MLflow in its own process while
-        # this one loads Prefect (~1 s each). If the run never gets that far, it exits with us.
-        from tasks.tracker import prestart
-
-        prestart()
-    args = vars(parser().parse_args(argv))
-    command = args.pop("command")
-    if command == "probe":
-        from tasks.probe import read_environment
-
-        report = read_environment()
-        print(report.model_dump_json(indent=2)) if args["json"] else print_report(report)
-        return 0
-    from .params import PipelineParams
-
+    command, model, values = parse(argv)
     try:
-        PipelineParams(**args)  # refuse bad values before Prefect or torch start
-    except ValidationError as e:
-        print(f"gpuflow: invalid parameters:\n{e}", file=sys.stderr)
-        return 2
-    from .train import train_pipeline
+        if command == "probe":
+            from gpuflow.tasks.probe import read_environment
 
-    exit_on_sigterm()
-    out = train_pipeline(**args)
-    summary = {k: out.get(k) for k in ("run_id", "status", "model_version", "epochs_run",
-                                       "world_size", "final_metrics", "timings")}
-    print(json.dumps(summary, indent=2))
+            report = read_environment()
+            print(report.model_dump_json(indent=2)) if values["json"] else print_report(report)
+            return 0
+        model(**values)  # refuse bad values before Prefect or torch start
+        exit_on_sigterm()
+        out = {"run": run, "evaluate": evaluate, "infer": infer}[command](values)
+    except (UserError, ValidationError) as e:
+        print(f"gpuflow {command}: {one_line(e)}", file=sys.stderr)
+        return 2
+    if out is not None:
+        print(json.dumps(out, indent=2))
     return 0
 
 
-def entry(argv: list[str] | None = None) -> int:
-    """The `gpuflow` console script: main(), then leave without the interpreter's teardown."""
-    from training import fastexit
-
-    code = main(argv)
-    fastexit.exit_after_cleanup(code)
-    return code
-
-
 if __name__ == "__main__":
-    sys.exit(entry())
+    sys.exit(main())

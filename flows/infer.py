@@ -1,88 +1,63 @@
-"""Inference on a chosen device: evaluate a registered version (or a checkpoint file).
+"""A registered model on one chosen device: its loss and accuracy on a split (`gpuflow evaluate`,
+the evaluate-model flow), or its predictions for a tensor file (`gpuflow infer`).
 
-    python -m flows.infer --registered-model gpuflow-model --version champion --gpus 3,
+Both run the model in a child process that sees only the assigned device and report through
+a JSON file; `--gpus` has `gpuflow run`'s grammar ('3,' is physical GPU 3).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 import tempfile
 from pathlib import Path
 
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
-from tasks.assign import DevicePlan, DeviceRequest, assign_devices
-from tasks.probe import probe_environment
-from tasks.registry import champion_version, checkpoint_of, evaluate_checkpoint
-from tasks.mlrun import default_tracking_uri, prepare_store
+from gpuflow.tasks import tracking
+from gpuflow.tasks.assign import one_device_plan
+from gpuflow.tasks.probe import probe_environment, read_environment
+from gpuflow.tasks.registry import checkpoint_of, evaluate_checkpoint, resolve_version, run_on_device
+
+from .params import EvaluateParams, InferParams, flat_parameters
 
 
-def single_device_request(gpus: str) -> DeviceRequest:
-    """One device: a named card ('3,' or '3'), the freest card ('auto'), or 'cpu'."""
-    if gpus.isdigit():
-        gpus += ","  # here a bare number names a card: inference uses exactly one
-    return DeviceRequest(gpus="1" if gpus == "auto" else gpus, strategy="single")
-
-
-def assign_one_device(gpus: str) -> DevicePlan:
-    """Probe, then assign the one device `gpus` names; `auto` falls back to the CPU without GPUs."""
-    report = probe_environment()
-    no_gpu = not report.visible_physical_ids()
-    return assign_devices(report, single_device_request("cpu" if no_gpu and gpus == "auto" else gpus),
-                          batch_size=1)
-
-
-@flow(name="evaluate-model", flow_run_name="evaluate-{registered_model}-{version}-gpus={gpus}")
-def evaluate_model(registered_model: str = "gpuflow-model", version: str = "champion",
-                   checkpoint: str | None = None, gpus: str = "auto", split: str = "val",
-                   dataset: str | None = None, data_root: str | None = None,
-                   tracking_uri: str | None = None) -> dict:
-    """Load a model version (or a checkpoint) onto one assigned device and report accuracy."""
-    plan = assign_one_device(gpus)
+@flow(name="evaluate-model", flow_run_name="evaluate-{registered_model}-{version}-gpus={gpus}",
+      validate_parameters=False)
+@flat_parameters(EvaluateParams)
+def evaluate_model(params: EvaluateParams) -> dict:
+    """Load a model version (or a checkpoint) onto one assigned device and report its accuracy."""
+    plan = one_device_plan(probe_environment(), params.gpus)
     with tempfile.TemporaryDirectory() as d:
-        if checkpoint is None:
-            prepare_store(tracking_uri or default_tracking_uri())
-            if version == "champion":
-                version = champion_version(registered_model) or _no_champion(registered_model)
-            ck = checkpoint_of(registered_model, version, Path(d))
-        else:
-            ck = Path(checkpoint)
-        result = evaluate_checkpoint(ck, plan, split, dataset, data_root)
-    result |= {"registered_model": registered_model, "version": version if checkpoint is None else None,
-               "physical_gpu": plan.primary}
+        ck, version = model_checkpoint(params, Path(d))
+        result = evaluate_checkpoint(ck, plan, params.split, params.dataset, params.data_root)
+    result |= {"registered_model": params.registered_model, "version": version, "physical_gpu": plan.primary}
+    what = f"`{params.checkpoint}`" if params.checkpoint else f"{params.registered_model} v{version}"
     create_markdown_artifact(key="evaluation", markdown=(
-        f"# Evaluation\n\n{'`' + str(checkpoint) + '`' if checkpoint else f'{registered_model} v{version}'} "
-        f"on {result['dataset']} ({result['split']}, {result['samples']} samples), device "
-        f"{plan.describe()}: **accuracy {result['accuracy']:.4f}**, loss {result['loss']:.4f}\n"))
+        f"# Evaluation\n\n{what} on {result['dataset']} ({result['split']}, {result['samples']} samples), "
+        f"device {plan.describe()}: **accuracy {result['accuracy']:.4f}**, loss {result['loss']:.4f}\n"))
     return result
 
 
-def _no_champion(name: str) -> str:
-    raise ValueError(f"model {name!r} has no 'champion' alias yet; run the retrain flow first "
-                     "or pass --version N")
+def model_checkpoint(params: EvaluateParams | InferParams, folder: Path) -> tuple[Path, str | None]:
+    """The checkpoint file to use, and the registered version it came from (None for a file)."""
+    if params.checkpoint:
+        return Path(params.checkpoint), None
+    tracking.prepare_store(params.tracking_uri or tracking.default_tracking_uri())
+    version = resolve_version(params.registered_model, params.version)
+    return checkpoint_of(params.registered_model, version, folder), version
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m flows.infer", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--registered-model", default="gpuflow-model")
-    p.add_argument("--version", default="champion", help="a version number or 'champion'")
-    p.add_argument("--checkpoint", help="evaluate this checkpoint file instead of a registered version")
-    p.add_argument("--gpus", default="auto", help="physical GPU id (e.g. 3), auto, or cpu")
-    p.add_argument("--split", choices=["val", "all"], default="val")
-    p.add_argument("--dataset")
-    p.add_argument("--data-root")
-    p.add_argument("--tracking-uri")
-    a = vars(p.parse_args(argv))
-    from .cli import exit_on_sigterm
+def predict(params: InferParams) -> dict | None:
+    """Predictions for `params.inputs` on one device; written to `params.output`, else returned."""
+    import logging
 
-    exit_on_sigterm()
-    print(json.dumps(evaluate_model(**a), indent=2))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    plan = one_device_plan(read_environment(), params.gpus)
+    with tempfile.TemporaryDirectory() as d:
+        ck, version = model_checkpoint(params, Path(d))
+        out = run_on_device(ck, plan, logging.getLogger("gpuflow.infer"), "--inputs", str(Path(params.inputs).resolve()))
+    out |= {"registered_model": params.registered_model, "version": version, "physical_gpu": plan.primary}
+    if params.output:
+        Path(params.output).write_text(json.dumps(out, indent=2))
+        return None
+    return out

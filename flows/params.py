@@ -1,29 +1,39 @@
-"""The pipeline's parameters: one flat, validated model (training config + devices + launch).
+"""Every parameter of gpuflow's flows, declared once: type, default, bounds and help.
 
-Flat on purpose: `prefect deployment run 'train-pipeline/ddp' -p epochs=3` and
-`gpuflow run --epochs 3` name fields directly, and the Prefect UI renders one form.
+The flows' signatures (so the Prefect UI form and the deployments), the `gpuflow` CLI
+options and the validation all derive from the models here; the worker's own fields come
+from `TrainConfig` (gpuflow/training/config.py), which `PipelineParams` extends. Parameters
+are flat on purpose: `-p epochs=3` and `--epochs 3` name fields directly.
 """
 
 from __future__ import annotations
 
+import inspect
+import typing
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Callable, Literal
 
-from pydantic import Field, model_validator
+import annotated_types
+from pydantic import AfterValidator, BaseModel, Field, model_validator
 
-from tasks.assign import DevicePlan, DeviceRequest
-from tasks.launch import LaunchOptions
-from training import TrainConfig
+from gpuflow.tasks.assign import GPUS_HELP, DevicePlan, parse_gpus
+from gpuflow.training import TrainConfig
 
-# Set from the DevicePlan and the run's folder, never by the user.
+Gpus = Annotated[str, AfterValidator(parse_gpus), Field(description=GPUS_HELP)]
+
+# Worker fields the flow sets from the device plan and the run's folder, never the user.
 PLAN_OWNED = ("device", "device_ids", "checkpoint_dir", "data_cache")
+# Where a run is recorded, not how it trains: left out of the run's params.
+RECORD_KEEPING = ("experiment", "registered_model", "tracking_uri", "runs_dir", "node_rank", "rdzv_endpoint")
 
 
 class PipelineParams(TrainConfig):
+    """The train pipeline's parameters: the worker's config plus devices, launch and tracking."""
+
     strategy: Literal["auto", "single", "dp", "ddp"] = Field(  # type: ignore[assignment]
         "auto", description="auto: ddp for several devices (gloo on CPU), single for one")
-    gpus: str = Field("auto", description=DeviceRequest.model_fields["gpus"].description)
-    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    gpus: Gpus = "auto"
+    backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="DDP backend; auto: nccl on GPUs, gloo on CPU")
     min_free_mb: int = Field(0, ge=0, description="refuse/skip GPUs with less free memory")
     skip_busy: bool = Field(True, description="skip GPUs already running other processes")
     cpu_processes: int = Field(0, ge=0, description="DDP processes on a CPU-only host (0 = auto)")
@@ -48,21 +58,12 @@ class PipelineParams(TrainConfig):
                              "the same on every node")
         if self.node_rank >= self.nnodes:
             raise ValueError(f"node_rank {self.node_rank} must be below nnodes {self.nnodes}")
-        self.device_request()  # the device request's own checks (gpus form, duplicates) now
+        if self.nnodes > 1:
+            self.strategy = "ddp"  # one process per node is still DDP
         return self
 
-    def device_request(self) -> DeviceRequest:
-        strategy = "ddp" if self.nnodes > 1 else self.strategy  # one process per node is still DDP
-        return DeviceRequest(gpus=self.gpus, strategy=strategy, backend=self.backend,
-                             min_free_mb=self.min_free_mb, skip_busy=self.skip_busy,
-                             cpu_processes=self.cpu_processes)
-
-    def launch_options(self, rdzv_id: str) -> LaunchOptions:
-        return LaunchOptions(max_restarts=self.max_restarts, nnodes=self.nnodes,
-                             node_rank=self.node_rank, rdzv_endpoint=self.rdzv_endpoint,
-                             rdzv_id=rdzv_id, rdzv_timeout_s=self.rdzv_timeout_s)
-
-    def train_config(self, plan: DevicePlan | None = None, workdir: Path | None = None) -> TrainConfig:
+    def train_config(self, plan: DevicePlan | None = None, workdir: Path | None = None,
+                     data_cache: str | None = None) -> TrainConfig:
         """The worker's config; with a plan, strategy and devices come from it."""
         fields = {k: v for k, v in self.model_dump().items() if k in TrainConfig.model_fields}
         fields["strategy"] = plan.strategy if plan else "single"
@@ -71,9 +72,91 @@ class PipelineParams(TrainConfig):
             fields["device_ids"] = plan.logical_ids if plan.strategy == "dp" and plan.device == "cuda" else None
         if workdir:
             fields["checkpoint_dir"] = str(workdir / "checkpoints")
+        fields["data_cache"] = data_cache
         return TrainConfig(**fields)
 
+    def run_params(self, config: TrainConfig, plan: DevicePlan) -> dict:
+        """The MLflow run's params: the worker's config as it ran, plus the launch's settings."""
+        launch = {k: v for k, v in self.model_dump(mode="json").items()
+                  if k not in TrainConfig.model_fields and k not in RECORD_KEEPING}
+        return {**launch, "backend": plan.backend, "nproc_per_node": plan.nproc_per_node,
+                "world_size": plan.nproc_per_node * self.nnodes, **config.to_dict()}
 
-def user_fields() -> dict:
-    """Fields a user sets (flow parameters / CLI options): everything but plan-owned ones."""
-    return {k: f for k, f in PipelineParams.model_fields.items() if k not in PLAN_OWNED}
+
+class RetrainParams(PipelineParams):
+    """The retrain flow: a challenger trained by the pipeline, then compared with the champion."""
+
+    eval_gpus: Gpus = "auto"
+    metric: Literal["accuracy", "loss"] = Field("accuracy", description="what makes a challenger better")
+
+    def pipeline(self) -> dict:
+        return self.model_dump(include=set(user_fields(PipelineParams)))
+
+
+class EvaluateParams(BaseModel):
+    """Loss and accuracy of a registered version (or a checkpoint file) on one device."""
+
+    registered_model: str = Field("gpuflow-model", description="Model Registry name")
+    version: str = Field("champion", description="a version number or 'champion'")
+    checkpoint: str | None = Field(None, description="evaluate this checkpoint file instead of a registered version")
+    gpus: Gpus = "auto"
+    split: Literal["val", "all"] = Field("val", description="the held-out split training used, or all samples")
+    dataset: str | None = Field(None, description="evaluate on another dataset than the one trained on")
+    data_root: str | None = Field(None, description="folder holding torchvision datasets")
+    tracking_uri: str | None = Field(None, description="MLflow URI (default: MLFLOW_TRACKING_URI "
+                                     "or sqlite:///<project>/mlflow.db)")
+
+
+class InferParams(BaseModel):
+    """Predictions of a registered version (or a checkpoint file) for a file of inputs, on one device."""
+
+    inputs: str = Field(description="a .pt file holding {'inputs': tensor of N samples}")
+    registered_model: str = Field("gpuflow-model", description="Model Registry name")
+    version: str = Field("champion", description="a version number or 'champion'")
+    checkpoint: str | None = Field(None, description="use this checkpoint file instead of a registered version")
+    gpus: Gpus = "auto"
+    output: str | None = Field(None, description="write the predictions JSON here (default: print it)")
+    tracking_uri: str | None = Field(None, description="MLflow URI (default: MLFLOW_TRACKING_URI "
+                                     "or sqlite:///<project>/mlflow.db)")
+
+
+def user_fields(model: type[BaseModel]) -> dict:
+    """Fields a user sets (flow parameters, CLI options): all but the plan-owned ones."""
+    return {k: f for k, f in model.model_fields.items() if k not in PLAN_OWNED}
+
+
+def _schema_type(field) -> Any:
+    """The field's type with its bounds, for the Prefect form (validation stays with the model)."""
+    bounds = [m for m in field.metadata if isinstance(m, annotated_types.BaseMetadata)]
+    return Annotated[(field.annotation, *bounds)] if bounds else field.annotation
+
+
+def flat_parameters(model: type[BaseModel]) -> Callable[[Callable[[Any], Any]], Callable[..., Any]]:
+    """Give `fn(params: model)` the flat keyword signature of `model`'s user fields.
+
+    Prefect builds a flow's parameters, its UI form and its deployments' defaults from the
+    function's signature and docstring; this sets both from the one declaration, and the
+    call validates the values once, by building `model`.
+    """
+    fields = user_fields(model)
+
+    def wrap(fn: Callable[[Any], Any]) -> Callable[..., Any]:
+        def flat(**values):
+            return fn(model(**values))
+
+        flat.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+            [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
+                               annotation=_schema_type(f)) for name, f in fields.items()],
+            return_annotation=inspect.signature(fn).return_annotation)
+        args = "\n".join(f"    {name}: {(f.description or name).strip()}" for name, f in fields.items())
+        flat.__doc__ = f"{inspect.getdoc(fn) or ''}\n\nArgs:\n{args}\n"
+        flat.__name__, flat.__qualname__, flat.__module__ = fn.__name__, fn.__qualname__, fn.__module__
+        return flat
+
+    return wrap
+
+
+def origin_is(annotation, kind: type) -> bool:
+    """Whether a (possibly optional) annotation is `kind` or a parametrised `kind[...]`."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    return any(a is kind or typing.get_origin(a) is kind for a in (annotation, *args))

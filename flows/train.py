@@ -1,18 +1,10 @@
-"""The training pipeline flow: probe -> assign -> data -> MLflow run -> launch -> log -> end.
+"""The training pipeline flow: probe -> assign -> (card locks) data -> preflight ->
+(MLflow run) launch -> log results.
 
-Run it with `gpuflow run` (or `python -m flows.train --help`), or as a deployment.
+Run it with `gpuflow run` (or `python -m gpuflow.flows.train --help`), or as a deployment.
 """
 
 from __future__ import annotations
-
-if __name__ == "__main__":  # `python -m flows.train ...` is `gpuflow run ...`
-    # Dispatched before this module's imports: the CLI starts the MLflow tracker before it
-    # loads Prefect (flows/cli.py), and this module is then imported once, as flows.train.
-    import sys
-
-    from flows.cli import entry
-
-    sys.exit(entry(["run", *sys.argv[1:]]))
 
 import socket
 import time
@@ -20,21 +12,19 @@ import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
-from prefect import flow, get_run_logger
+from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
 from prefect.concurrency.sync import concurrency
 from prefect.runtime import deployment, flow_run
 
-from tasks.assign import CardLocks, DevicePlan, assign_devices
-from tasks.data import DatasetInfo, prepare_dataset
-from tasks.launch import launch_training, preflight
-from tasks.probe import EnvironmentReport, probe_environment
-from tasks.mlrun import default_tracking_uri, describe_error, git_commit, status_for
-from tasks.track import log_results
-from tasks.tracker import Tracker, TrackerError, TrackerGone, acquire, end_run_here
+from gpuflow.tasks import tracking
+from gpuflow.tasks.assign import DevicePlan, assign_devices, card_locks
+from gpuflow.tasks.data import DatasetInfo, prepare_dataset
+from gpuflow.tasks.launch import launch_training, preflight
+from gpuflow.tasks.probe import EnvironmentReport, probe_environment
 
-from .params import PipelineParams
-
+from .params import PipelineParams, flat_parameters
 
 DEVICE_LIMIT = "gpuflow-devices-{host}"
 
@@ -60,122 +50,77 @@ def run_name() -> str:
             f"-gpus={p.get('gpus', 'auto')}")
 
 
-@flow(name="train-pipeline", flow_run_name=run_name, validate_parameters=True)
-def train_pipeline(
-    model: str = "mlp", dataset: str = "digits", data_root: str = "data", download: bool = False,
-    val_fraction: float = 0.2, split_seed: int = 0, synthetic_size: int = 4096,
-    synthetic_side: int = 28,
-    epochs: int = 3, batch_size: int = 64, lr: float = 1e-3, optimizer: str = "adam",
-    momentum: float = 0.9, grad_clip: float = 0.0, precision: str = "fp32",
-    strategy: str = "auto", gpus: str = "auto", backend: str = "auto", min_free_mb: int = 0,
-    skip_busy: bool = True, cpu_processes: int = 0, seed: int = 42, deterministic: bool = False,
-    cudnn_benchmark: bool = False, num_workers: int = 0, resume: str = "auto",
-    dist_timeout_s: float = 300.0, max_steps_per_epoch: int = 0, max_restarts: int = 1,
-    launch_retries: int = 0, nnodes: int = 1, node_rank: int = 0, rdzv_endpoint: str | None = None,
-    rdzv_timeout_s: int = 300,
-    experiment: str = "gpuflow", registered_model: str = "gpuflow-model",
-    tracking_uri: str | None = None, runs_dir: str = "runs",
-) -> dict:
-    """Train a model on the best devices of this host and log one MLflow run.
-
-    Every parameter is a field of PipelineParams (flows/params.py), validated before any work.
-    """
-    params = PipelineParams(**{k: v for k, v in locals().items()})
+@flow(name="train-pipeline", flow_run_name=run_name, validate_parameters=False,
+      on_crashed=[tracking.end_flow_run_mlflow_runs], on_cancellation=[tracking.end_flow_run_mlflow_runs])
+@flat_parameters(PipelineParams)
+def train_pipeline(params: PipelineParams) -> dict:
+    """Train a model on the best devices of this host and log one MLflow run."""
     # Served runs on one host queue here (the limit is created by flows/serve.py); without
-    # the limit, as with `make run`, this passes straight through.
+    # the limit, as with `gpuflow run`, this passes straight through.
     with concurrency(DEVICE_LIMIT.format(host=socket.gethostname()), occupy=1, strict=False):
-        return _pipeline(params)
+        return pipeline(params)
 
 
-def _pipeline(params: PipelineParams) -> dict:
-    uri = params.tracking_uri or default_tracking_uri()
-    # The MLflow tracker loads MLflow on its own core while this process probes and prepares
-    # (tasks/tracker.py); `gpuflow run` started it before Prefect was even imported.
-    tracker = acquire() if params.node_rank == 0 else None
-    try:
-        return _steps(params, uri, tracker)
-    finally:
-        if tracker is not None:
-            tracker.close()
-
-
-def _steps(params: PipelineParams, uri: str, tracker: Tracker | None) -> dict:
+def pipeline(params: PipelineParams) -> dict:
     timer = StepTimer()
     with timer("probe"):
         report = probe_environment()
     with timer("assign"):
-        plan = assign_devices(report, params.device_request(), params.batch_size, params.precision)
-    locks = CardLocks()
-    locks.acquire(plan)  # released below, and by the kernel if this process dies
-    try:
-        cfg = params.train_config(plan)
+        plan = assign_devices(report, params, params.batch_size, params.precision)
+    with card_locks(plan):
         with timer("data"):  # only downloads can flake: retry those alone
-            data = prepare_dataset.with_options(retries=2 if cfg.download else 0)(cfg)
+            data = prepare_dataset.with_options(retries=2 if params.download else 0)(params.train_config(plan))
         with timer("preflight"):
-            preflight(cfg, params.launch_options(params.rdzv_endpoint or "gpuflow"),
-                      data.num_classes, data.input_shape)
-        return train_and_track(params, uri, tracker, report, plan, data, timer)
-    finally:
-        locks.release()
+            preflight(params.train_config(plan), params, data.num_classes, data.input_shape)
+        if params.node_rank != 0:  # node 0 owns the MLflow run; the other nodes only train
+            return train_node(params, plan, data, timer)
+        with tracking.tracked_run(params.tracking_uri or tracking.default_tracking_uri(), params.experiment,
+                                  flow_run.get_name() or "train", run_tags(params, plan),
+                                  data.model_dump(mode="json"), params.runs_dir) as run:
+            result = train(params, plan, data, report, run, timer)
+            with timer("log_results"):
+                version = log_results(run, result, params, data)
+            summarize(params, plan, result, run, version)
+            run.log_metrics({f"pipeline.{k}_s": v for k, v in timer.seconds.items()})
+    get_run_logger().info("MLflow run %s finished; model %s version %s", run.run_id,
+                          params.registered_model, version)
+    return {"run_id": run.run_id, "status": "FINISHED", "model_version": version, **result,
+            "timings": timer.seconds}
 
 
-def train_and_track(params: PipelineParams, uri: str, tracker: Tracker | None, report: EnvironmentReport,
-                    plan: DevicePlan, data: DatasetInfo, timer: StepTimer) -> dict:
-    """Own the MLflow run around the launch: it always ends FINISHED, FAILED or KILLED."""
-    log = get_run_logger()
-    run_id = None
-    if tracker is not None:
-        with timer("mlflow_start"):
-            started = tracker.call(
-                "start", uri=uri, experiment=params.experiment, run_name=flow_run.get_name() or "train",
-                params=params.model_dump(mode="json"), tags=run_tags(params, plan),
-                dataset=data.model_dump(mode="json"),
-                artifacts=[{"obj": report.model_dump(mode="json"), "name": "environment_report.json"},
-                           {"obj": plan.model_dump(mode="json"), "name": "device_plan.json"}])
-        run_id = started["run_id"]
-    try:
-        workdir = Path(params.runs_dir).resolve() / (run_id or f"node{params.node_rank}-{uuid.uuid4().hex[:8]}")
-        workdir.mkdir(parents=True, exist_ok=True)
-        config = params.train_config(plan, workdir).model_copy(update={"data_cache": data.cache})
-        config = config.to_json(workdir / "config.json")
-        metrics_file = None
-        if run_id:  # rank 0 appends its epochs here; the tracker logs them to the run as they come
-            metrics_file = workdir / "metrics.jsonl"
-            tracker.call("follow", run_id=run_id, path=str(metrics_file))
-        launch = launch_training.with_options(retries=params.launch_retries)
-        with timer("launch"):
-            result = launch(config, plan, params.launch_options(rdzv_id=params.rdzv_endpoint or "gpuflow"),
-                            workdir, run_id, uri, metrics_file)
-        if not run_id:
-            return {"node_rank": params.node_rank, "result": result, "timings": timer.seconds}
-        with timer("log_results"):
-            version = log_results(tracker, run_id, result, workdir, params.model, params.registered_model,
-                                  data.num_classes, data.input_shape)
-            summarize(params, plan, result, run_id, version, started["experiment_id"])
-        tracker.call("log_metrics", run_id=run_id, metrics={f"pipeline.{k}_s": v for k, v in timer.seconds.items()})
-        tracker.call("end", run_id=run_id, status="FINISHED")
-        log.info("MLflow run %s finished; model %s version %s", run_id, params.registered_model, version)
-        return {"run_id": run_id, "status": "FINISHED", "model_version": version, **result,
-                "timings": timer.seconds}
-    except BaseException as e:
-        if run_id:
-            end_run(tracker, uri, run_id, e)
-        raise
+def train(params: PipelineParams, plan: DevicePlan, data: DatasetInfo, report: EnvironmentReport,
+          run: tracking.TrackedRun, timer: StepTimer) -> dict:
+    """Write the worker's config, record it as the run's params, launch and relay its metrics."""
+    config = params.train_config(plan, run.workdir, data.cache)
+    run.log_params(params.run_params(config, plan))
+    run.log_json(report.model_dump(mode="json"), "environment_report.json", "environment")
+    run.log_json(plan.model_dump(mode="json"), "device_plan.json", "environment")
+    launch = launch_training.with_options(retries=params.launch_retries)
+    with timer("launch"), run.relaying_metrics():
+        return launch(config.to_json(run.workdir / "config.json"), plan, params, run.workdir, run.metrics_file)
 
 
-def end_run(tracker: Tracker, uri: str, run_id: str, exc: BaseException) -> None:
-    """End the run FAILED or KILLED, through the tracker, or from here if the tracker is gone."""
-    try:
-        tracker.call("end", timeout=120, run_id=run_id, status=status_for(exc), error=describe_error(exc))
-    except (TrackerGone, TrackerError):
-        end_run_here(uri, run_id, exc)
+def train_node(params: PipelineParams, plan: DevicePlan, data: DatasetInfo, timer: StepTimer) -> dict:
+    """A node other than 0 of a multi-node job: train in its own folder, log nothing."""
+    workdir = Path(params.runs_dir).resolve() / f"node{params.node_rank}-{uuid.uuid4().hex[:8]}"
+    config = params.train_config(plan, workdir, data.cache).to_json(workdir / "config.json")
+    with timer("launch"):
+        result = launch_training.with_options(retries=params.launch_retries)(config, plan, params, workdir)
+    return {"node_rank": params.node_rank, "result": result, "timings": timer.seconds}
+
+
+@task(name="log-results", cache_policy=NO_CACHE)
+def log_results(run: tracking.TrackedRun, result: dict, params: PipelineParams, data: DatasetInfo) -> str:
+    """Log checkpoint, curves, worker logs and the registered model; returns the version."""
+    return tracking.log_results(run, result, params.model, params.registered_model,
+                                data.num_classes, data.input_shape)
 
 
 def run_tags(params: PipelineParams, plan: DevicePlan) -> dict:
     world = plan.nproc_per_node * params.nnodes
     return {
-        "prefect.flow_run_id": flow_run.get_id(), "prefect.flow_run_name": flow_run.get_name(),
-        "prefect.deployment": deployment.get_name(), "mlflow.source.git.commit": git_commit(),
+        tracking.FLOW_RUN_TAG: flow_run.get_id(), "prefect.flow_run_name": flow_run.get_name(),
+        "prefect.deployment": deployment.get_name(), "mlflow.source.git.commit": tracking.git_commit(),
         "strategy": plan.strategy, "world_size": world, "backend": plan.backend,
         "device": plan.device, "physical_gpus": ",".join(map(str, plan.physical_ids)) or "none",
         "primary_gpu": plan.primary if plan.primary is not None else "none",
@@ -183,8 +128,8 @@ def run_tags(params: PipelineParams, plan: DevicePlan) -> dict:
     }
 
 
-def summarize(params: PipelineParams, plan: DevicePlan, result: dict, run_id: str, version: str,
-              experiment_id: str) -> None:
+def summarize(params: PipelineParams, plan: DevicePlan, result: dict, run: tracking.TrackedRun,
+              version: str) -> None:
     m = result["final_metrics"]
     rows = "\n".join(f"| {k} | {v:.4f} |" for k, v in m.items())
     create_markdown_artifact(
@@ -195,10 +140,17 @@ def summarize(params: PipelineParams, plan: DevicePlan, result: dict, run_id: st
             f"**Devices**: {plan.describe()} ({plan.strategy}, {plan.backend}, "
             f"world size {result['world_size']})  \n"
             f"**Epochs run**: {result['epochs_run']}  \n"
-            f"**MLflow run**: `{run_id}` (`make ui`, then http://127.0.0.1:5000/#/experiments/"
-            f"{experiment_id}/runs/{run_id})  \n"
+            f"**MLflow run**: `{run.run_id}` (`make ui`, then http://127.0.0.1:5000/#/experiments/"
+            f"{run.experiment_id}/runs/{run.run_id})  \n"
             f"**Registered model**: {params.registered_model} v{version}\n\n"
             f"| metric | value |\n|---|---|\n{rows}\n"
         ),
     )
 
+
+if __name__ == "__main__":  # `python -m gpuflow.flows.train ...` is `gpuflow run ...`
+    import sys
+
+    from .cli import main
+
+    sys.exit(main(["run", *sys.argv[1:]]))

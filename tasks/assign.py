@@ -10,51 +10,56 @@ from __future__ import annotations
 import fcntl
 import os
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Literal
+from types import SimpleNamespace
+from typing import Literal, Protocol
 
 from prefect import task
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel
+
+from gpuflow.training.errors import UserError
 
 from .probe import EnvironmentReport, GpuInfo
 
 
-class AssignmentError(ValueError):
+class AssignmentError(UserError):
     """The request cannot be met on this host; the message names the value and the fix."""
 
 
-class DeviceRequest(BaseModel):
-    gpus: str = Field(
-        "auto",
-        description="auto (all free GPUs, else CPU), cpu, a count like '2', or physical ids "
-        "in order like '3,2,0,1' (the first is the primary card; '3,' is GPU 3 alone)",
-    )
-    strategy: Literal["auto", "single", "dp", "ddp"] = "auto"
-    backend: Literal["auto", "nccl", "gloo"] = "auto"
-    min_free_mb: int = Field(0, ge=0, description="skip/refuse cards with less free memory")
-    skip_busy: bool = Field(True, description="auto/count: skip cards running other processes")
-    cpu_processes: int = Field(0, ge=0, description="DDP processes on a CPU-only host (0 = auto)")
+GPUS_HELP = ("auto (all free GPUs, else CPU), cpu, a count like '2', or physical ids in order "
+             "like '3,2,0,1' (the first is the primary card; '3,' is GPU 3 alone)")
 
-    @field_validator("gpus")
-    @classmethod
-    def _form(cls, v: str) -> str:
-        v = str(v).strip().replace(" ", "")
-        if v == "0":
-            raise ValueError("gpus=0 asks for no GPU; use gpus=cpu to train on the CPU")
-        if v in ("auto", "cpu") or v.isdigit():
-            return v
-        parts = [p for p in v.split(",") if p]  # '3,' names physical GPU 3 alone
-        if not all(p.isdigit() for p in parts):
-            raise ValueError(
-                f"gpus={v!r} is not understood; use auto, cpu, a count like 2, or physical ids like 3,2"
-            )
-        dup = sorted({p for p in parts if parts.count(p) > 1})
-        if dup:
-            raise ValueError(f"gpus={v!r} names GPU {', '.join(dup)} twice; list each card once")
+
+def parse_gpus(v: str) -> str:
+    """The `gpus` grammar, checked (the parameter is declared in gpuflow.flows.params)."""
+    v = str(v).strip().replace(" ", "")
+    if v == "0":
+        raise ValueError("gpus=0 asks for no GPU; use gpus=cpu to train on the CPU")
+    if v in ("auto", "cpu") or v.isdigit():
         return v
+    parts = [p for p in v.split(",") if p]  # '3,' names physical GPU 3 alone
+    if not parts or not all(p.isdigit() for p in parts):
+        raise ValueError(f"gpus={v!r} is not understood; use auto, cpu, a count like 2, or physical ids like 3,2")
+    dup = sorted({p for p in parts if parts.count(p) > 1})
+    if dup:
+        raise ValueError(f"gpus={v!r} names GPU {', '.join(dup)} twice; list each card once")
+    return v
 
-    def explicit_ids(self) -> list[int] | None:
-        return [int(p) for p in self.gpus.split(",") if p] if "," in self.gpus else None
+
+def explicit_ids(gpus: str) -> list[int] | None:
+    return [int(p) for p in gpus.split(",") if p] if "," in gpus else None
+
+
+class DeviceRequest(Protocol):
+    """What assignment reads from the validated parameters (gpuflow.flows.params)."""
+
+    gpus: str
+    strategy: str
+    backend: str
+    min_free_mb: int
+    skip_busy: bool
+    cpu_processes: int
 
 
 class DevicePlan(BaseModel):
@@ -109,7 +114,7 @@ def _why_not(g: GpuInfo, req: DeviceRequest, locked: set[int]) -> str | None:
 def _choose(report: EnvironmentReport, req: DeviceRequest, locked: set[int]) -> list[GpuInfo]:
     by_id = {g.index: g for g in report.gpus}
     visible = report.visible_physical_ids()
-    ids = req.explicit_ids()
+    ids = explicit_ids(req.gpus)
     if ids is not None:
         return [_check_explicit(i, by_id, visible, report, req, locked) for i in ids]
     pool = [by_id[i] for i in visible]
@@ -253,6 +258,34 @@ class CardLocks:
         for fd in self._fds:
             os.close(fd)  # closing the descriptor drops the flock
         self._fds.clear()
+
+
+@contextmanager
+def card_locks(plan: DevicePlan):
+    """Hold the plan's cards for the block (the kernel drops the locks if this process dies)."""
+    locks = CardLocks()
+    locks.acquire(plan)
+    try:
+        yield locks
+    finally:
+        locks.release()
+
+
+def one_device_plan(report: EnvironmentReport, gpus: str) -> DevicePlan:
+    """One device for evaluation or inference, with `run`'s --gpus grammar.
+
+    auto: the freest GPU, else the CPU; '1': the freest GPU; '3,': physical GPU 3; cpu.
+    """
+    if gpus == "auto":
+        gpus = "1" if report.visible_physical_ids() else "cpu"
+    ids = explicit_ids(gpus)
+    if (ids is not None and len(ids) > 1) or (gpus.isdigit() and int(gpus) > 1):
+        hint = f"; to name physical GPU {gpus}, write '{gpus},'" if gpus.isdigit() else ""
+        raise AssignmentError(f"gpus={gpus} asks for several devices but this step uses one; "
+                              f"name one card ('3,'), ask for '1', or use cpu{hint}")
+    request = SimpleNamespace(gpus=gpus, strategy="single", backend="auto", min_free_mb=0, skip_busy=True,
+                              cpu_processes=1)
+    return assign_devices_for(report, request, batch_size=1, locked=CardLocks().held_elsewhere(report))
 
 
 @task(name="assign-devices")

@@ -6,8 +6,8 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel, Field
 
-from training import TrainConfig
-from training.config import input_shape_for, val_count
+from gpuflow.training import TrainConfig
+from gpuflow.training.config import input_shape_for, val_count
 
 
 class DatasetInfo(BaseModel):
@@ -29,7 +29,7 @@ def describe_dataset(cfg: TrainConfig) -> DatasetInfo:
     When a prepared file matching the source exists, only its description is read: no torch,
     no scikit-learn, no decoding in this process.
     """
-    from training import datacache
+    from gpuflow.training import datacache
 
     builtin = cfg.dataset in ("digits", "synthetic")
     found = datacache.lookup(cfg.dataset, cfg.data_root)
@@ -39,7 +39,7 @@ def describe_dataset(cfg: TrainConfig) -> DatasetInfo:
              "input_shape": list(input_shape_for(cfg.model, tuple(meta["native_shape"]))),
              "sha256": meta["sha256"]}
     else:
-        from training.data import prepare
+        from gpuflow.training.data import prepare
 
         d = prepare(cfg)
     n, n_val = d["num_samples"], val_count(d["num_samples"], cfg.val_fraction)

@@ -21,20 +21,21 @@ from pathlib import Path
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
-from pydantic import BaseModel, Field
+from typing import Protocol
 
 from .assign import DevicePlan
 
 TAIL_LINES = 40
 
 
-class LaunchOptions(BaseModel):
-    max_restarts: int = Field(1, ge=0, description="torchrun elastic restarts after a worker dies")
-    nnodes: int = Field(1, ge=1, description="machines taking part (multi-node DDP)")
-    node_rank: int = Field(0, ge=0, description="this machine's rank among nnodes")
-    rdzv_endpoint: str | None = Field(None, description="host:port of the rendezvous (multi-node)")
-    rdzv_id: str = Field("gpuflow", description="rendezvous id shared by all nodes of one job")
-    rdzv_timeout_s: int = Field(300, gt=0, description="give up when not all nodes arrive in time")
+class LaunchRequest(Protocol):
+    """What the launch reads from the validated parameters (gpuflow.flows.params)."""
+
+    max_restarts: int
+    nnodes: int
+    node_rank: int
+    rdzv_endpoint: str | None
+    rdzv_timeout_s: int
 
 
 class TrainingFailed(RuntimeError):
@@ -51,13 +52,12 @@ def port_in_use(host: str, port: int) -> bool:
     return False
 
 
-def build_command(plan: DevicePlan, opts: LaunchOptions, config: Path, result: Path,
+def build_command(plan: DevicePlan, opts: LaunchRequest, config: Path, result: Path,
                   log_dir: Path) -> list[str]:
-    worker = ["-m", "training", "--config", str(config), "--result", str(result)]
+    worker = ["-m", "gpuflow.training", "--config", str(config), "--result", str(result)]
     if plan.strategy != "ddp":
         return [sys.executable, *worker]
-    # training.torchrun is torch.distributed.run with a fast exit (see its docstring)
-    cmd = [sys.executable, "-m", "training.torchrun", f"--nproc-per-node={plan.nproc_per_node}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={plan.nproc_per_node}",
            f"--max-restarts={opts.max_restarts}", "--tee=3", f"--log-dir={log_dir}", "--role=rank"]
     if opts.nnodes == 1 and not opts.rdzv_endpoint:
         cmd += ["--standalone",  # c10d on a free localhost port: parallel runs never collide
@@ -73,7 +73,7 @@ def build_command(plan: DevicePlan, opts: LaunchOptions, config: Path, result: P
     return [*cmd, *worker]
 
 
-def check_rendezvous(opts: LaunchOptions) -> None:
+def check_rendezvous(opts: LaunchRequest) -> None:
     """A rendezvous port already taken on this host fails now, with the port named."""
     if not opts.rdzv_endpoint or opts.node_rank != 0:
         return
@@ -128,33 +128,28 @@ def _terminate(proc: subprocess.Popen, grace: float = 10.0) -> None:
         pass
 
 
-def child_environment(plan: DevicePlan, run_id: str | None, tracking_uri: str | None,
-                      metrics_file: Path | None = None) -> dict:
-    """The plan's environment, plus the run to attach to and where rank 0 writes its metrics."""
-    from training.tracking import METRICS_FILE_ENV
+def child_environment(plan: DevicePlan, metrics_file: Path | None = None) -> dict:
+    """The plan's device variables, plus where global rank 0 appends its per-epoch metrics."""
+    from gpuflow.training.metrics import METRICS_FILE_ENV
 
     env = plan.child_environ()
     env["PYTHONUNBUFFERED"] = "1"
-    for inherited in ("MLFLOW_RUN_ID", METRICS_FILE_ENV):
+    for inherited in ("MLFLOW_RUN_ID", METRICS_FILE_ENV):  # the ranks never talk to MLflow
         env.pop(inherited, None)
-    if run_id:
-        env["MLFLOW_RUN_ID"] = run_id
-        if metrics_file:
-            env[METRICS_FILE_ENV] = str(metrics_file)
-    if tracking_uri:
-        env["MLFLOW_TRACKING_URI"] = tracking_uri
+    if metrics_file:
+        env[METRICS_FILE_ENV] = str(metrics_file)
     return env
 
 
-def launch(config: Path, plan: DevicePlan, opts: LaunchOptions, workdir: Path, log,
-           run_id: str | None = None, tracking_uri: str | None = None,
+def launch(config: Path, plan: DevicePlan, opts: LaunchRequest, workdir: Path, log,
            metrics_file: Path | None = None) -> dict:
+    """Run the worker for `config` with the plan's devices; its results JSON."""
     check_rendezvous(opts)
     result = workdir / "result.json"
     result.unlink(missing_ok=True)
     cmd = build_command(plan, opts, config, result, workdir / "logs")
     log.info("launching: %s", " ".join(cmd))
-    code, tail = run_child(cmd, child_environment(plan, run_id, tracking_uri, metrics_file), workdir, log)
+    code, tail = run_child(cmd, child_environment(plan, metrics_file), workdir, log)
     if code != 0:
         raise TrainingFailed(f"training exited with code {code}; last output:\n" + "\n".join(tail[-15:]))
     if not result.is_file():
@@ -165,21 +160,20 @@ def launch(config: Path, plan: DevicePlan, opts: LaunchOptions, workdir: Path, l
 
 
 @task(name="launch-training", retries=0, cache_policy=NO_CACHE)
-def launch_training(config: Path, plan: DevicePlan, opts: LaunchOptions, workdir: Path,
-                    run_id: str | None = None, tracking_uri: str | None = None,
+def launch_training(config: Path, plan: DevicePlan, opts: LaunchRequest, workdir: Path,
                     metrics_file: Path | None = None) -> dict:
     """Run the worker with the plan's devices; stream its output; return its results JSON."""
     from prefect import get_run_logger
 
-    return launch(config, plan, opts, workdir, get_run_logger(), run_id, tracking_uri, metrics_file)
+    return launch(config, plan, opts, workdir, get_run_logger(), metrics_file)
 
 
 def check_resume(cfg, num_classes: int, input_shape: list[int]) -> None:
     """An explicit resume file must exist, hold only tensors, and fit the model."""
     if cfg.resume in ("auto", "never"):
         return
-    from training.checkpoint import CheckpointError, load_file, load_model_state
-    from training.models import build_model
+    from gpuflow.training.checkpoint import CheckpointError, load_file, load_model_state
+    from gpuflow.training.models import build_model
 
     payload = load_file(cfg.resume)
     if "model" not in payload:
@@ -190,7 +184,7 @@ def check_resume(cfg, num_classes: int, input_shape: list[int]) -> None:
 
 
 @task(name="preflight", cache_policy=NO_CACHE)
-def preflight(cfg, opts: LaunchOptions, num_classes: int, input_shape: list[int]) -> None:
+def preflight(cfg, opts: LaunchRequest, num_classes: int, input_shape: list[int]) -> None:
     """Fail before any MLflow run starts: bad resume file, rendezvous port already taken."""
     check_rendezvous(opts)
     check_resume(cfg, num_classes, input_shape)

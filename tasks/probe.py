@@ -47,8 +47,7 @@ class EnvironmentReport(BaseModel):
     nccl_version: str | None = None
     torch_version: str | None = None
     torch_device_count: int | None = None
-    backends: dict[str, bool] = Field({}, description="torch.distributed backends; empty when the "
-                                      "flow probed a host without GPUs (torch not imported)")
+    backends: dict[str, bool] = Field({}, description="torch.distributed backends")
     bf16_supported: bool = True
     cuda_visible_devices: str | None = None
     cuda_device_order: str | None = None
@@ -183,40 +182,6 @@ def torch_view_no_gpu() -> dict:
                          "mpi": dist.is_mpi_available()}}
 
 
-def torch_view_files() -> dict:
-    """torch's version and CUDA build read from its installed files, without importing it.
-
-    For the flow on a host without GPUs: importing torch there costs ~1.5 s of the flow's
-    critical path for two version strings. Backends are left out (they need torch's C
-    extension); `gpuflow probe` imports torch and lists them.
-    """
-    import ast
-    import importlib.util
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        torch_version = version("torch")
-    except PackageNotFoundError:
-        return {"error": ["torch is not installed in this environment"]}
-    found: dict = {}  # torch/version.py: __version__ (with its +cuXYZ tag) and cuda
-    spec = importlib.util.find_spec("torch")
-    if spec and spec.origin:
-        try:
-            with open(os.path.join(os.path.dirname(spec.origin), "version.py")) as f:
-                tree = ast.parse(f.read())
-        except (OSError, SyntaxError):
-            tree = ast.Module(body=[], type_ignores=[])
-        for node in tree.body:
-            target = node.target if isinstance(node, ast.AnnAssign) else (
-                node.targets[0] if isinstance(node, ast.Assign) else None)
-            if isinstance(target, ast.Name) and isinstance(node.value, ast.Constant):
-                found[target.id] = node.value.value
-    torch_version = found.get("__version__") or torch_version
-    cuda = found.get("cuda")
-    return {"torch_version": torch_version, "cuda_version": cuda, "cudnn_version": None,
-            "nccl_version": None, "torch_device_count": 0, "bf16": True, "backends": {}}
-
-
 def torch_view(timeout: float = 120) -> dict:
     """torch's own view, taken in a child process so the parent never initialises CUDA."""
     proc = subprocess.run([sys.executable, "-c", TORCH_PROBE], capture_output=True, text=True,
@@ -226,11 +191,10 @@ def torch_view(timeout: float = 120) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def read_environment(nvml=None, with_torch: bool = True, import_torch: bool = True) -> EnvironmentReport:
+def read_environment(nvml=None, with_torch: bool = True) -> EnvironmentReport:
     """Probe this host. Never raises for a missing GPU or NVML: that is a CPU-only report.
 
-    with_torch=False leaves torch out; import_torch=False, without GPUs, reads its versions
-    from its files instead of importing it (no backends then).
+    with_torch=False leaves torch's versions and backends out.
     """
     warnings: list[str] = []
     gpus, driver, source, cuda_driver = [], None, "none", None
@@ -245,9 +209,8 @@ def read_environment(nvml=None, with_torch: bool = True, import_torch: bool = Tr
             if shutil.which("nvidia-smi") or "LibraryNotFound" not in type(e).__name__:
                 warnings.append(f"no GPU information: NVML: {e}; nvidia-smi: {e2}")
     # With GPUs, torch's view (device count, NCCL, bf16) needs the CUDA runtime: ask a child.
-    # Without them there is nothing to cross-check, and a child would cost ~2 s of imports.
-    no_gpu_view = torch_view_no_gpu if import_torch else torch_view_files
-    tv = (torch_view() if gpus else no_gpu_view()) if with_torch else {}
+    # Without them nothing can initialise CUDA, and torch is read in this process.
+    tv = (torch_view() if gpus else torch_view_no_gpu()) if with_torch else {}
     if "error" in tv:
         warnings.append(f"torch probe failed: {tv['error']}")
     report = EnvironmentReport(
@@ -274,8 +237,5 @@ def read_environment(nvml=None, with_torch: bool = True, import_torch: bool = Tr
 
 @task(name="probe-environment")
 def probe_environment() -> EnvironmentReport:
-    """Report GPUs, versions and backends of this host without initialising CUDA.
-
-    Without GPUs torch is not imported here: nothing in the plan depends on its backends.
-    """
-    return read_environment(import_torch=False)
+    """Report GPUs, versions and backends of this host without initialising CUDA."""
+    return read_environment()

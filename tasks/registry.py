@@ -10,10 +10,16 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from gpuflow.training.errors import UserError
+
 from .assign import DevicePlan
 from .launch import child_environment, run_child
 
 CHAMPION = "champion"
+
+
+class EvaluationFailed(RuntimeError):
+    """The evaluation child failed; the message carries its last lines of output."""
 
 
 def champion_version(name: str) -> str | None:
@@ -27,35 +33,53 @@ def champion_version(name: str) -> str | None:
         return None
 
 
+def resolve_version(name: str, version: str) -> str:
+    """A version number, or the one the `champion` alias points at."""
+    if version != CHAMPION:
+        return version
+    found = champion_version(name)
+    if found is None:
+        raise UserError(f"model {name!r} has no 'champion' alias yet; run the retrain flow first "
+                        "or pass --version N")
+    return found
+
+
 def checkpoint_of(name: str, version: str, dest: Path) -> Path:
     """Download the de-prefixed checkpoint logged by the run that produced a version."""
     import mlflow
+    from mlflow.exceptions import MlflowException
 
     client = mlflow.MlflowClient()
-    run_id = client.get_model_version(name, version).run_id
+    try:
+        run_id = client.get_model_version(name, version).run_id
+    except MlflowException as e:
+        raise UserError(f"registered model {name!r} has no version {version!r} in "
+                        f"{mlflow.get_tracking_uri()} ({e.error_code}); list them in the MLflow UI") from None
     files = [f.path for f in client.list_artifacts(run_id, "checkpoints") if f.path.endswith(".pt")]
     if not files:
         raise FileNotFoundError(f"model {name} v{version} (run {run_id}) has no logged checkpoint")
     return Path(client.download_artifacts(run_id, sorted(files)[-1], str(dest)))
 
 
+def run_on_device(checkpoint: Path, plan: DevicePlan, log, *args: str) -> dict:
+    """Run gpuflow.training.evaluate in a child that sees only the plan's device; its JSON report."""
+    with tempfile.TemporaryDirectory() as d:
+        out = Path(d) / "result.json"
+        cmd = [sys.executable, "-m", "gpuflow.training.evaluate", "--checkpoint", str(checkpoint),
+               "--device", plan.device, "--result", str(out), *args]
+        code, tail = run_child(cmd, child_environment(plan), Path.cwd(), log)
+        if code != 0 or not out.is_file():
+            raise EvaluationFailed(f"evaluation of {checkpoint} failed (exit {code}):\n" + "\n".join(tail[-10:]))
+        return json.loads(out.read_text())
+
+
 @task(name="evaluate-checkpoint", cache_policy=NO_CACHE)
 def evaluate_checkpoint(checkpoint: Path, plan: DevicePlan, split: str = "val",
                         dataset: str | None = None, data_root: str | None = None) -> dict:
-    """Evaluate a checkpoint in a child that sees only the plan's device."""
-    cmd = [sys.executable, "-m", "training.evaluate", "--checkpoint", str(checkpoint), "--split", split,
-           "--device", plan.device]
-    if dataset:
-        cmd += ["--dataset", dataset]
-    if data_root:
-        cmd += ["--data-root", data_root]
-    code, tail = run_child(cmd, child_environment(plan, None, None), Path.cwd(), get_run_logger())
-    if code != 0:
-        raise RuntimeError(f"evaluation of {checkpoint} failed (exit {code}):\n" + "\n".join(tail[-10:]))
-    for line in reversed(tail):  # the result is the last JSON line; warnings may follow it
-        if line.startswith("{"):
-            return json.loads(line)
-    raise RuntimeError(f"evaluation of {checkpoint} printed no result:\n" + "\n".join(tail[-10:]))
+    """Loss and accuracy of a checkpoint on a dataset split, on the plan's one device."""
+    args = ["--split", split, *(["--dataset", dataset] if dataset else []),
+            *(["--data-root", data_root] if data_root else [])]
+    return run_on_device(checkpoint, plan, get_run_logger(), *args)
 
 
 @task(name="evaluate-version", cache_policy=NO_CACHE)

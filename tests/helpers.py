@@ -27,7 +27,7 @@ def run_worker(workdir: Path, nproc: int = 1, env: dict | None = None, check: bo
     if nproc > 1:
         cfg.setdefault("strategy", "ddp")
     (workdir / "cfg.json").write_text(json.dumps(cfg))
-    args = ["-m", "training", "--config", str(workdir / "cfg.json")]
+    args = ["-m", "gpuflow.training", "--config", str(workdir / "cfg.json")]
     if cfg.get("strategy") == "ddp":
         cmd = [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={nproc}", *args]
     else:

@@ -10,16 +10,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from tasks.data import describe_dataset
+from gpuflow.tasks.data import describe_dataset
 from tests.helpers import ROOT, result, run_worker
 from tests.test_training_core import _write_idx
-from training import TrainConfig
-from training.data import DatasetError, load_data
+from gpuflow.training import TrainConfig
+from gpuflow.training.data import DatasetError, load_data
 
 DESCRIBE = """
 import json, sys
-from training import TrainConfig
-from tasks.data import describe_dataset
+from gpuflow.training import TrainConfig
+from gpuflow.tasks.data import describe_dataset
 info = describe_dataset(TrainConfig(**json.loads(sys.argv[1])))
 print(json.dumps({"info": info.model_dump(), "torch": "torch" in sys.modules,
                   "sklearn": "sklearn" in sys.modules}))

@@ -15,9 +15,9 @@ import urllib.request
 import mlflow
 import pytest
 
-from flows.infer import evaluate_model
-from flows.retrain import retrain
-from flows.train import train_pipeline
+from gpuflow.flows.infer import evaluate_model
+from gpuflow.flows.retrain import retrain
+from gpuflow.flows.train import train_pipeline
 from tests.helpers import ROOT
 from tests.servers import BIN, ServerProcess, mlflow_server, prefect_server
 
@@ -37,7 +37,7 @@ def test_served_ddp_deployment_runs_from_the_cli_and_logs_to_mlflow(tmp_path):
     env = dict(os.environ, PREFECT_API_URL=api, PREFECT_HOME=str(home), OMP_NUM_THREADS="1")
     db = tmp_path / "mlflow.db"
     with server:
-        serve_cmd = [sys.executable, "-m", "flows.serve"]
+        serve_cmd = [sys.executable, "-m", "gpuflow.flows.serve"]
         with ServerProcess(serve_cmd, api + "/health", env, tmp_path / "serve.log", cwd=ROOT) as serving:
             deadline = time.monotonic() + 120
             while _prefect(["deployment", "inspect", "train-pipeline/ddp"], env).returncode != 0:
@@ -100,7 +100,7 @@ def test_inference_on_a_chosen_device_reproduces_the_logged_accuracy(retrained):
 
 @pytest.mark.gpu
 def test_inference_on_a_physical_gpu(retrained):
-    from tasks.probe import read_environment
+    from gpuflow.tasks.probe import read_environment
 
     gpu = read_environment().gpus[-1].index
     _, store, _, _ = retrained
@@ -157,7 +157,7 @@ def test_runs_on_one_host_queue_on_the_device_limit_instead_of_training_together
 
     from prefect.client.orchestration import get_client
 
-    from flows.serve import ensure_device_limit
+    from gpuflow.flows.serve import ensure_device_limit
 
     name = ensure_device_limit()
     errors: list[BaseException] = []

@@ -13,8 +13,8 @@ from types import SimpleNamespace
 import pytest
 from pydantic import ValidationError
 
-from tasks.assign import AssignmentError, CardLocks, DeviceRequest, assign_devices_for
-from tasks.probe import EnvironmentReport, GpuInfo, read_environment, torch_view_files
+from gpuflow.tasks.assign import AssignmentError, CardLocks, DeviceRequest, assign_devices_for
+from gpuflow.tasks.probe import EnvironmentReport, GpuInfo, read_environment, torch_view_files
 from tests.helpers import ROOT
 
 
@@ -132,7 +132,7 @@ def test_card_locks_exclude_each_other_and_die_with_their_holder(tmp_path):
     code = textwrap.dedent(f"""
         import sys, time; sys.path.insert(0, {str(ROOT)!r})
         from pathlib import Path
-        from tasks.assign import CardLocks
+        from gpuflow.tasks.assign import CardLocks
         CardLocks(Path({str(tmp_path)!r})).try_lock("GPU-0001"); print("held", flush=True); time.sleep(60)
     """)
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
@@ -174,7 +174,7 @@ def test_flow_probe_without_gpus_reads_torch_versions_from_its_files_not_an_impo
 
     files = torch_view_files()
     assert files["torch_version"] == torch.__version__ and files["cuda_version"] == torch.version.cuda
-    code = ("import sys; from tasks.probe import read_environment; "
+    code = ("import sys; from gpuflow.tasks.probe import read_environment; "
             "r = read_environment(import_torch=False); print(r.torch_version, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=ROOT, check=True).stdout.split()
@@ -253,7 +253,7 @@ def test_report_is_json_serialisable():
 
 
 def test_gpuflow_probe_command_prints_json_and_a_table():
-    gpuflow = [sys.executable, "-m", "flows.cli"]
+    gpuflow = [sys.executable, "-m", "gpuflow.flows.cli"]
     out = subprocess.run([*gpuflow, "probe", "--json"], cwd=ROOT, capture_output=True, text=True,
                          check=True).stdout
     report = EnvironmentReport.model_validate_json(out)
@@ -263,7 +263,7 @@ def test_gpuflow_probe_command_prints_json_and_a_table():
 
 
 def test_gpuflow_run_refuses_bad_values_before_starting_anything():
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", "run", "--gpus", "1,1"], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "gpuflow.flows.cli", "run", "--gpus", "1,1"], cwd=ROOT,
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "names GPU 1 twice" in proc.stderr
     assert "Starting temporary server" not in proc.stderr + proc.stdout

@@ -13,14 +13,14 @@ import mlflow
 import pytest
 import torch
 
-from flows.params import PipelineParams
-from flows.train import train_pipeline
-from tasks.assign import assign_devices_for
-from tasks.launch import TrainingFailed, launch
-from tasks.probe import EnvironmentReport, GpuInfo, read_environment
+from gpuflow.flows.params import PipelineParams
+from gpuflow.flows.train import train_pipeline
+from gpuflow.tasks.assign import assign_devices_for
+from gpuflow.tasks.launch import TrainingFailed, launch
+from gpuflow.tasks.probe import EnvironmentReport, GpuInfo, read_environment
 from tests.helpers import ROOT, result, run_worker
-from training.checkpoint import load_file
-from training.models import SimpleNN, SmallCNN
+from gpuflow.training.checkpoint import load_file
+from gpuflow.training.models import SimpleNN, SmallCNN
 
 BASE = dict(dataset="synthetic", synthetic_size=640, batch_size=64, model="mlp", epochs=3,
             deterministic=True, seed=11, gpus="cpu")
@@ -165,7 +165,7 @@ def test_bad_input_fails_fast_with_a_clear_message(case, params, fake_host, mess
     if str(params.get("resume", "")).startswith("ckpt:"):
         params["resume"] = _ckpt(tmp_path, params["resume"][5:])
     if fake_host is not None:
-        monkeypatch.setattr("tasks.probe.read_environment", lambda **_: fake_host)
+        monkeypatch.setattr("gpuflow.tasks.probe.read_environment", lambda **_: fake_host)
     args = {**dict(BASE, gpus="cpu", epochs=1), **params, **store}
     try:
         with pytest.raises(Exception) as err:
@@ -207,7 +207,7 @@ def test_sigterm_to_a_running_pipeline_marks_the_run_killed_and_stops_training(t
     from tests.helpers import child_env
 
     db = tmp_path / "mlflow.db"
-    cmd = [sys.executable, "-m", "flows.train", "--dataset", "synthetic", "--synthetic-size", "60000",
+    cmd = [sys.executable, "-m", "gpuflow.flows.train", "--dataset", "synthetic", "--synthetic-size", "60000",
            "--epochs", "50", "--gpus", "cpu", "--tracking-uri", f"sqlite:///{db}",
            "--runs-dir", str(tmp_path / "runs")]
     env = child_env(PREFECT_HOME=str(tmp_path / "ph"), PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180")

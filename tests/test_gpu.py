@@ -12,12 +12,12 @@ import mlflow
 import pytest
 import torch
 
-from flows.train import train_pipeline
-from tasks.assign import AssignmentError, DeviceRequest, assign_devices_for
-from tasks.probe import read_environment
+from gpuflow.flows.train import train_pipeline
+from gpuflow.tasks.assign import AssignmentError, DeviceRequest, assign_devices_for
+from gpuflow.tasks.probe import read_environment
 from tests.helpers import child_env, result, run_worker
-from training.checkpoint import load_file
-from training.models import SmallCNN
+from gpuflow.training.checkpoint import load_file
+from gpuflow.training.models import SmallCNN
 
 pytestmark = pytest.mark.gpu
 

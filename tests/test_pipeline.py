@@ -13,15 +13,15 @@ import mlflow
 import pytest
 import torch
 
-from flows.params import PipelineParams, user_fields
-from flows.train import train_pipeline
-from tasks.assign import assign_devices_for
-from tasks.launch import launch
-from tasks.probe import read_environment
+from gpuflow.flows.params import PipelineParams, user_fields
+from gpuflow.flows.train import train_pipeline
+from gpuflow.tasks.assign import assign_devices_for
+from gpuflow.tasks.launch import launch
+from gpuflow.tasks.probe import read_environment
 from tests.helpers import ROOT, child_env
-from training.checkpoint import load_file
-from training.data import load_data
-from training.models import SimpleNN
+from gpuflow.training.checkpoint import load_file
+from gpuflow.training.data import load_data
+from gpuflow.training.models import SimpleNN
 
 SECRET = "sk-test-gpuflow-secret-do-not-log-4711"
 FAST = dict(epochs=2, batch_size=64, dataset="digits", model="mlp")

@@ -9,7 +9,7 @@ import types
 import mlflow
 import pytest
 
-from tasks.mlrun import prepare_store, start_run
+from gpuflow.tasks.mlrun import prepare_store, start_run
 
 DATASET = types.SimpleNamespace(name="synthetic", root=None, sha256="ab" * 32, num_samples=10)
 
@@ -59,7 +59,7 @@ def test_rank0_logger_process_writes_every_epoch_before_close_returns(tmp_path, 
     # training.tracking.MetricsSink hands metrics to training/metrics_logger.py, a child
     # process; close() must not return before the last epoch is in the store, since the flow
     # reads and ends the run right after the workers exit.
-    from training.tracking import MetricsSink
+    from gpuflow.training.tracking import MetricsSink
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     prepare_store(uri)
@@ -83,7 +83,7 @@ def test_rank0_logger_process_writes_every_epoch_before_close_returns(tmp_path, 
 PREPARE_AT = """
 import sys, time
 import mlflow  # imported before the start time: the creations overlap as closely as possible
-from tasks.mlrun import prepare_store
+from gpuflow.tasks.mlrun import prepare_store
 time.sleep(max(0.0, float(sys.argv[2]) - time.time()))
 prepare_store(sys.argv[1])
 """

@@ -13,11 +13,11 @@ import torch
 from pydantic import ValidationError
 
 from tests.helpers import ROOT, child_env, result, run_worker
-from training import TrainConfig
-from training.__main__ import run
-from training.checkpoint import CheckpointError, CheckpointStore, load_file, load_model_state
-from training.data import DatasetError, load_data
-from training.models import SimpleNN
+from gpuflow.training import TrainConfig
+from gpuflow.training.__main__ import run
+from gpuflow.training.checkpoint import CheckpointError, CheckpointStore, load_file, load_model_state
+from gpuflow.training.data import DatasetError, load_data
+from gpuflow.training.models import SimpleNN
 
 
 def _run_inprocess(workdir: Path, **cfg) -> dict:
@@ -83,7 +83,7 @@ def test_corrupt_checkpoint_and_other_architecture_get_clear_errors(tmp_path):
     bad.write_bytes(b"not a checkpoint")
     with pytest.raises(CheckpointError, match="corrupt"):
         load_file(bad)
-    from training.models import SmallCNN
+    from gpuflow.training.models import SmallCNN
 
     with pytest.raises(CheckpointError, match=r"missing keys \['fc1.bias'"):
         load_model_state(SimpleNN(), SmallCNN().state_dict())
@@ -168,7 +168,7 @@ def test_imagefolder_dataset(tmp_path):
 
 
 def test_split_is_deterministic_and_disjoint():
-    from training.data import split_indices
+    from gpuflow.training.data import split_indices
 
     a = split_indices(1797, 0.2, 0)
     assert a == split_indices(1797, 0.2, 0)
@@ -198,14 +198,14 @@ def test_training_package_never_imports_prefect():
 
 
 def test_worker_help_explains_usage():
-    proc = subprocess.run([sys.executable, "-m", "training", "--help"], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "gpuflow.training", "--help"], cwd=ROOT,
                           capture_output=True, text=True)
     assert proc.returncode == 0 and "--config" in proc.stdout and "torchrun" in proc.stdout
 
 
 def test_ddp_strategy_without_torchrun_says_how_to_launch(tmp_path):
     TrainConfig(strategy="ddp", dataset="synthetic", epochs=1).to_json(tmp_path / "c.json")
-    proc = subprocess.run([sys.executable, "-m", "training", "--config", str(tmp_path / "c.json")],
+    proc = subprocess.run([sys.executable, "-m", "gpuflow.training", "--config", str(tmp_path / "c.json")],
                           cwd=ROOT, env=child_env(), capture_output=True, text=True)
     assert proc.returncode == 2 and "torchrun --nproc_per_node" in proc.stderr
 
@@ -221,8 +221,8 @@ SEEDED_WORKERS = """
 import json, sys
 import numpy as np
 import torch
-from training import TrainConfig
-from training.data import train_loader
+from gpuflow.training import TrainConfig
+from gpuflow.training.data import train_loader
 
 class RandomSamples(torch.utils.data.Dataset):  # draws from numpy's global RNG, as augmentation does
     def __len__(self):
@@ -257,7 +257,7 @@ def test_dataloader_workers_are_seeded_from_the_config_seed():
 def test_deterministic_adaptive_pool_matches_the_stock_kernel(size, out):
     # The matrix form (used on CUDA under deterministic=True) must equal nn.AdaptiveAvgPool2d,
     # values and gradients; the CUDA path itself runs in tests/test_gpu.py.
-    from training.models import AdaptiveAvgPool2d, _pool_matrix
+    from gpuflow.training.models import AdaptiveAvgPool2d, _pool_matrix
 
     x = torch.randn(2, 3, size, size + 1, dtype=torch.float64, requires_grad=True)
     ref = torch.nn.AdaptiveAvgPool2d(out)(x)

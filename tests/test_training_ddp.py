@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from tests.helpers import result, run_worker
-from training.checkpoint import load_file, load_model_state
-from training.models import SimpleNN
+from gpuflow.training.checkpoint import load_file, load_model_state
+from gpuflow.training.models import SimpleNN
 
 # 515 synthetic samples, 25% held out -> 129 validation samples (odd: not divisible by 2)
 # and 386 training samples: 6 full global batches of 64 and a last one of 2.

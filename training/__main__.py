@@ -4,18 +4,14 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import sys
 from pathlib import Path
 
-from . import fastexit
+from pydantic import ValidationError
 
-fastexit.arm()  # before torch and the rest register theirs: its handler runs last
-
-from pydantic import ValidationError  # noqa: E402
-
-USER_ERRORS = ("ValidationError", "LaunchError", "DatasetError", "CheckpointError", "FileNotFoundError")
+from .errors import UserError
+from .files import write_json_atomic
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -30,26 +26,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def write_json_atomic(path: Path, obj: dict) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2))
-    os.replace(tmp, path)
-
-
 def run(config_path: str, result_path: str | None, freeze_imports: bool = False) -> dict:
     from .config import TrainConfig
-    from .tracking import MetricsSink
+    from .metrics import MetricsFile
 
     cfg = TrainConfig.from_json(config_path)
-    # First, before torch: rank 0's MLflow logger process connects while this one starts.
-    sink = MetricsSink(is_main=os.environ.get("RANK", "0") == "0")
+    metrics = MetricsFile(is_main=os.environ.get("RANK", "0") == "0")
     try:
-        return _train(cfg, sink, config_path, result_path, freeze_imports)
+        return _train(cfg, metrics, config_path, result_path, freeze_imports)
     finally:
-        sink.close()  # everything logged before this rank exits and the flow reads the run
+        metrics.close()
 
 
-def _train(cfg, sink, config_path: str, result_path: str | None, freeze_imports: bool) -> dict:
+def _train(cfg, metrics, config_path: str, result_path: str | None, freeze_imports: bool) -> dict:
     from . import data, distributed
     from .trainer import Trainer, seed_everything, set_determinism
 
@@ -62,13 +51,13 @@ def _train(cfg, sink, config_path: str, result_path: str | None, freeze_imports:
     try:
         seed_everything(cfg.seed)
         set_determinism(cfg)
-        trainer = Trainer(cfg, ctx, data.load_data(cfg, fingerprint=False), sink)
+        trainer = Trainer(cfg, ctx, data.load_data(cfg, fingerprint=False), metrics)
         result = trainer.train()
         if ctx.is_main:
             out = Path(result_path or Path(config_path).with_name("result.json"))
             write_json_atomic(out, result)
-        # Leave together: a rank that tears gloo down while rank 0 still flushes MLflow and
-        # writes result.json can abort (SIGABRT) on the half-closed connection.
+        # Leave together: a rank that tears gloo down while rank 0 still writes result.json
+        # can abort (SIGABRT) on the half-closed connection.
         distributed.barrier(ctx)
         return result
     finally:
@@ -85,15 +74,11 @@ def main(argv=None) -> int:
     rank = os.environ.get("RANK", "0")
     try:
         run(args.config, args.result, freeze_imports=True)
-    except Exception as e:
-        if type(e).__name__ in USER_ERRORS or isinstance(e, ValidationError):
-            print(f"[rank {rank}] error: {e}", file=sys.stderr, flush=True)
-            return 2
-        raise
+    except (UserError, ValidationError) as e:
+        print(f"[rank {rank}] error: {e}", file=sys.stderr, flush=True)
+        return 2
     return 0
 
 
 if __name__ == "__main__":
-    code = main()
-    fastexit.exit_after_cleanup(code)
-    sys.exit(code)
+    sys.exit(main())

@@ -7,11 +7,9 @@ into the plain model class. Files written by other tools with those prefixes loa
 
 from __future__ import annotations
 
-import os
 import pickle
 import random
 import re
-import tempfile
 from collections import OrderedDict
 from pathlib import Path
 
@@ -20,11 +18,14 @@ import torch
 from torch import nn
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
+from .errors import UserError
+from .files import atomic_write
+
 PREFIXES = ("module.", "_orig_mod.")
 NAME = re.compile(r"^epoch-(\d+)\.pt$")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError):
     """A checkpoint cannot be used; the message names the file and what to do."""
 
 
@@ -133,20 +134,8 @@ class CheckpointStore:
         return self.folder / f"epoch-{epoch:04d}.pt"
 
     def save(self, payload: dict, epoch: int) -> Path:
-        """Write to a temp file in the same folder, fsync, then rename: never half a file."""
-        self.folder.mkdir(parents=True, exist_ok=True)
-        final = self.path_for(epoch)
-        fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=".tmp-", suffix=".pt")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                torch.save(payload, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, final)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        return final
+        """Written to a temp file in the same folder, then renamed: never half a file."""
+        return atomic_write(self.path_for(epoch), lambda tmp: torch.save(payload, tmp))
 
     def latest(self) -> Path | None:
         """Newest complete checkpoint (temp files never match the name pattern)."""

@@ -12,6 +12,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from .errors import UserError
+
 MODELS = ("mlp", "cnn", "resnet18")
 BUILTIN_DATASETS = ("digits", "synthetic", "mnist", "fashion-mnist", "cifar10")
 Precision = Literal["fp32", "bf16", "fp16"]
@@ -142,5 +144,6 @@ class TrainConfig(BaseModel):
     def from_json(cls, path: str | Path) -> "TrainConfig":
         path = Path(path)
         if not path.is_file():
-            raise FileNotFoundError(f"config file {str(path)!r} does not exist")
+            raise UserError(f"config file {str(path)!r} does not exist; pass the path of a "
+                            "TrainConfig JSON file (fields: gpuflow/training/config.py)")
         return cls.model_validate(json.loads(path.read_text()))

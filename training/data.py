@@ -16,12 +16,13 @@ import torch.nn.functional as F
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, Subset
 
 from . import datacache
+from .errors import UserError
 from .config import TrainConfig, input_shape_for, val_count
 
 IMAGEFOLDER_SIZE = 64  # square side images from an ImageFolder are resized to
 
 
-class DatasetError(ValueError):
+class DatasetError(UserError):
     """A dataset cannot be found or read; the message says where it looked and what to do."""
 
 

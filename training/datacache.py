@@ -19,10 +19,10 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import os
-import tempfile
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+
+from .files import atomic_write
 
 FORMAT = 1
 CACHED = ("digits", "mnist", "fashion-mnist", "cifar10")  # synthetic is generated; imagefolder stays lazy
@@ -84,18 +84,6 @@ def lookup(dataset: str, data_root: str) -> tuple[Path, dict] | None:
     return None
 
 
-def _atomic_write(path: Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.chmod(tmp, 0o644)  # mkstemp makes it 0600; others sharing data_root read it too
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def store(dataset: str, data_root: str, x, y, num_classes: int, fingerprint: dict) -> Path | None:
     """Write the prepared file (atomically: concurrent runs may race) and its description.
 
@@ -110,13 +98,13 @@ def store(dataset: str, data_root: str, x, y, num_classes: int, fingerprint: dic
     pt, meta_path = paths(dataset, data_root, sig)
     try:
         pt.parent.mkdir(parents=True, exist_ok=True)
-        _atomic_write(pt, lambda tmp: torch.save({"x": x.contiguous(), "y": y.contiguous(),
+        atomic_write(pt, lambda tmp: torch.save({"x": x.contiguous(), "y": y.contiguous(),
                                                   "num_classes": int(num_classes)}, tmp))
         meta = {"format": FORMAT, "signature": sig, "file_size": pt.stat().st_size,
                 "num_samples": int(len(y)), "num_classes": int(num_classes),
                 "native_shape": [int(d) for d in x.shape[1:]], "dtype": str(x.dtype).removeprefix("torch."),
                 "sha256": fingerprint["sha256"]}
-        _atomic_write(meta_path, lambda tmp: Path(tmp).write_text(json.dumps(meta, indent=1)))
+        atomic_write(meta_path, lambda tmp: tmp.write_text(json.dumps(meta, indent=1)))
     except OSError:
         return None
     return pt

@@ -10,9 +10,10 @@ import torch
 import torch.distributed as dist
 
 from .config import TrainConfig
+from .errors import UserError
 
 
-class LaunchError(RuntimeError):
+class LaunchError(UserError):
     """The process was started in a way that cannot work; the message says how to start it."""
 
 

@@ -1,16 +1,19 @@
-"""Evaluate a checkpoint: `python -m training.evaluate --checkpoint CK [--dataset D ...]`.
+"""Evaluate or apply a checkpoint on one device, reporting through a JSON file.
 
-Loads only tensors (weights_only=True), rebuilds the plain model from the config stored in
-the checkpoint, and reports loss and accuracy on the dataset's validation split (the same
-deterministic split training held out) or on all of it. Run it in a child whose
-CUDA_VISIBLE_DEVICES holds the card to use: inside, that card is cuda:0.
-Prints one JSON line.
+    python -m gpuflow.training.evaluate --checkpoint CK --result OUT.json [--dataset D ...]
+    python -m gpuflow.training.evaluate --checkpoint CK --result OUT.json --inputs X.pt
+
+Loads only tensors (weights_only=True) and rebuilds the plain model from the config stored
+in the checkpoint. Without --inputs: loss and accuracy on the dataset's validation split
+(the same deterministic split training held out) or on all of it. With --inputs (a tensor
+file, N samples of the model's input shape): the predicted class and class probabilities
+of each. Run it in a child whose CUDA_VISIBLE_DEVICES holds the card to use: inside, that
+card is cuda:0.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -20,22 +23,42 @@ from torch import nn
 from .checkpoint import CheckpointError, load_file, load_model_state
 from .config import TrainConfig
 from .data import TensorData, load_data
+from .errors import UserError
+from .files import write_json_atomic
 from .models import build_model
+
+
+def _device(device: str) -> torch.device:
+    use_cuda = device != "cpu" and torch.cuda.is_available()
+    return torch.device("cuda", 0) if use_cuda else torch.device("cpu")
+
+
+def _config(payload: dict, checkpoint: str, **overrides) -> TrainConfig:
+    if "config" not in payload or "model" not in payload:
+        raise CheckpointError(f"checkpoint {checkpoint!r} lacks its config; it was not written by gpuflow")
+    return TrainConfig(**{**payload["config"], **{k: v for k, v in overrides.items() if v is not None},
+                          "strategy": "single", "device_ids": None, "resume": "never"})
+
+
+def _model(cfg: TrainConfig, payload: dict, checkpoint: str, num_classes: int, input_shape, dev):
+    model = build_model(cfg.model, num_classes, tuple(input_shape))
+    load_model_state(model, payload["model"], source=f"checkpoint {checkpoint!r}")
+    return model.to(dev).eval()
+
+
+def _where(dev: torch.device) -> dict:
+    return {"device": str(dev), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "device_name": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu"}
 
 
 def evaluate(checkpoint: str, split: str = "val", device: str = "auto", batch_size: int = 512,
              **overrides) -> dict:
     payload = load_file(checkpoint)
-    if "config" not in payload or "model" not in payload:
-        raise CheckpointError(f"checkpoint {checkpoint!r} lacks its config; it was not written by gpuflow")
-    cfg = TrainConfig(**{**payload["config"], **{k: v for k, v in overrides.items() if v is not None},
-                         "strategy": "single", "device_ids": None, "resume": "never"})
+    cfg = _config(payload, checkpoint, **overrides)
     bundle = load_data(cfg, fingerprint=False)
-    use_cuda = device != "cpu" and torch.cuda.is_available()
-    dev = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
-    model = build_model(cfg.model, bundle.num_classes, bundle.input_shape)
-    load_model_state(model, payload["model"], source=f"checkpoint {checkpoint!r}")
-    model.to(dev).eval()
+    dev = _device(device)
+    use_cuda = dev.type == "cuda"
+    model = _model(cfg, payload, checkpoint, bundle.num_classes, bundle.input_shape, dev)
     data = bundle.val if split == "val" else _concat(bundle.train, bundle.val)
     loader = torch.utils.data.DataLoader(data, batch_size=batch_size, pin_memory=use_cuda)
     loss, correct, n = 0.0, 0, 0
@@ -47,9 +70,27 @@ def evaluate(checkpoint: str, split: str = "val", device: str = "auto", batch_si
             correct += (out.argmax(1) == y).sum().item()
             n += len(y)
     return {"accuracy": correct / n, "loss": loss / n, "samples": n, "split": split,
-            "model": cfg.model, "dataset": cfg.dataset, "device": str(dev),
-            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-            "device_name": torch.cuda.get_device_name(0) if use_cuda else "cpu"}
+            "model": cfg.model, "dataset": cfg.dataset, **_where(dev)}
+
+
+@torch.no_grad()
+def predict(checkpoint: str, inputs: str, device: str = "auto", batch_size: int = 512) -> dict:
+    """Class and probabilities for each sample of a tensor file (N x input shape)."""
+    payload = load_file(checkpoint)
+    cfg = _config(payload, checkpoint)
+    x = load_file(inputs).get("inputs") if inputs.endswith(".pt") else None
+    if not isinstance(x, torch.Tensor):
+        raise UserError(f"inputs file {inputs!r} must be a .pt file holding {{'inputs': tensor}} "
+                        "(N samples of the model's input shape), saved with torch.save")
+    if "num_classes" not in payload:
+        raise CheckpointError(f"checkpoint {checkpoint!r} does not record its class count (written by "
+                              "an older gpuflow); evaluate it on a dataset instead, or retrain")
+    num_classes = int(payload["num_classes"])
+    dev = _device(device)
+    model = _model(cfg, payload, checkpoint, num_classes, x.shape[1:], dev)
+    probs = torch.cat([model(b.to(dev).float()).softmax(1).cpu() for b in x.split(batch_size)])
+    return {"predictions": probs.argmax(1).tolist(), "probabilities": probs.tolist(),
+            "samples": len(x), "model": cfg.model, **_where(dev)}
 
 
 def _concat(a, b):
@@ -62,17 +103,20 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m training.evaluate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True, help="a gpuflow checkpoint file")
+    p.add_argument("--result", required=True, help="where to write the JSON report")
+    p.add_argument("--inputs", help="predict for the tensors in this file instead of evaluating")
     p.add_argument("--split", choices=["val", "all"], default="val")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--dataset", help="evaluate on another dataset than the one trained on")
     p.add_argument("--data-root")
     a = p.parse_args(argv)
     try:
-        res = evaluate(a.checkpoint, a.split, a.device, dataset=a.dataset, data_root=a.data_root)
-    except (CheckpointError, ValueError) as e:
+        res = (predict(a.checkpoint, a.inputs, a.device) if a.inputs else
+               evaluate(a.checkpoint, a.split, a.device, dataset=a.dataset, data_root=a.data_root))
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(res), flush=True)
+    write_json_atomic(a.result, res)
     return 0
 
 

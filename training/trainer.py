@@ -19,7 +19,7 @@ from .checkpoint import rng_state, set_rng_state, to_cpu, unwrap
 from .config import TrainConfig
 from .distributed import DistContext, LaunchError, all_reduce_sum
 from .models import build_model
-from .tracking import MetricsSink
+from .metrics import MetricsFile
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -72,7 +72,7 @@ class Trainer:
     """Builds model, data and optimizer from a config and trains from where it left off."""
 
     def __init__(self, cfg: TrainConfig, ctx: DistContext, bundle: data_mod.DataBundle,
-                 sink: MetricsSink | None = None):
+                 metrics: MetricsFile | None = None):
         self.cfg, self.ctx, self.device = cfg, ctx, ctx.device
         bundle, self.data_on_device = data_mod.data_to_device(bundle, self.device, cfg.num_workers)
         self.bundle = bundle
@@ -85,7 +85,7 @@ class Trainer:
         self.train_loader, self.sampler = data_mod.train_loader(bundle.train, cfg, ctx.rank, world, self.pin)
         self.val_loader = data_mod.val_loader(bundle.val, cfg, ctx.rank, world, self.pin)
         self.store = CheckpointStore(cfg.checkpoint_dir)
-        self.sink = sink or MetricsSink(ctx.is_main)
+        self.metrics = metrics or MetricsFile(ctx.is_main)
         self.fault = fault_hook(os.environ.get("GPUFLOW_FAULT"))
         self.epochs_run = 0
         self.history: list[dict] = []
@@ -166,6 +166,7 @@ class Trainer:
             "epoch": self.epochs_run,
             "rng": rng_state(),
             "config": self.cfg.to_dict(),
+            "num_classes": self.bundle.num_classes,
             "history": self.history,
         }
         self.last_checkpoint = str(self.store.save(payload, self.epochs_run))
@@ -228,7 +229,6 @@ class Trainer:
         return {"val_loss": total / n, "val_accuracy": right / n}
 
     def train(self) -> dict:
-        self.sink.wait_ready()  # its import overlapped data loading; keep it out of the loop
         start = time.perf_counter()
         for epoch in range(self.epochs_run, self.cfg.epochs):
             metrics = self._run_epoch(epoch)
@@ -237,7 +237,7 @@ class Trainer:
             self.epochs_run = epoch + 1
             self.history.append({"epoch": self.epochs_run, **metrics})
             self._save_checkpoint()
-            self.sink.log_epoch(self.epochs_run, metrics)
+            self.metrics.log_epoch(self.epochs_run, metrics)
             self._say(
                 f"epoch {self.epochs_run}/{self.cfg.epochs} train_loss {metrics['train_loss']:.4f} "
                 f"val_loss {metrics['val_loss']:.4f} val_acc {metrics['val_accuracy']:.4f} "

@@ -1,0 +1,9 @@
+"""The one base class for mistakes a user can fix (bad value, missing file, wrong checkpoint).
+
+Entry points catch `UserError` by type and print its message, which names the value and the
+fix, as one line with exit code 2; anything else is a bug and keeps its traceback.
+"""
+
+
+class UserError(Exception):
+    """Bad input: the message says which value is wrong and what to do instead."""

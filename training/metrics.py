@@ -1,0 +1,59 @@
+"""Rank 0's per-epoch metrics: one JSON line per epoch, appended to a file the flow names.
+
+The flow sets GPUFLOW_METRICS_FILE and relays each complete line to its MLflow run while the
+workers train (gpuflow.tasks.tracking.MetricsRelay), so the ranks never import MLflow. A
+worker started by hand has no such file; its metrics are in result.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+METRICS_FILE_ENV = "GPUFLOW_METRICS_FILE"
+
+
+def format_line(step: int, metrics: dict[str, float], timestamp_ms: int | None = None) -> str:
+    ts = int(time.time() * 1000) if timestamp_ms is None else timestamp_ms
+    return json.dumps({"step": step, "timestamp": ts, "metrics": {k: float(v) for k, v in metrics.items()}})
+
+
+def parse_line(line: str | bytes) -> tuple[int, int, dict[str, float]]:
+    """(step, timestamp in ms, metrics) from one line written by `MetricsFile`."""
+    rec = json.loads(line)
+    return int(rec["step"]), int(rec["timestamp"]), {k: float(v) for k, v in rec["metrics"].items()}
+
+
+class MetricsFile:
+    """Appends an epoch's metrics as one line, on global rank 0, when the flow asked for them."""
+
+    def __init__(self, is_main: bool, path: str | None = None):
+        path = path or os.environ.get(METRICS_FILE_ENV)
+        self._file = None
+        if is_main and path:
+            try:
+                self._file = open(path, "a", encoding="utf-8")
+            except OSError as e:
+                self._warn(f"cannot write the metrics file {path!r}: {e}")
+
+    def log_epoch(self, epoch: int, metrics: dict[str, float]) -> None:
+        if self._file is None:
+            return
+        try:  # a whole line per write: the relay logs complete lines only
+            self._file.write(format_line(epoch, metrics) + "\n")
+            self._file.flush()
+        except OSError as e:
+            self._warn(f"cannot write the metrics file: {e}")
+            self.close()
+
+    def close(self) -> None:
+        f, self._file = self._file, None
+        if f is not None:
+            f.close()
+
+    @staticmethod
+    def _warn(why: str) -> None:
+        print(f"[rank 0] warning: live metrics off, result.json keeps them all: {why}",
+              file=sys.stderr, flush=True)
