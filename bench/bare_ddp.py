@@ -1,13 +1,13 @@
-"""Bare reference: the seeds' DDP loop, no gpuflow. Run it the same way as the worker:
+"""Bare CPU reference: the seeds' DDP loop, no gpuflow. Run it the same way as the worker:
 
     torchrun --standalone --nproc_per_node=2 bench/bare_ddp.py --dataset synthetic --epochs 3
     python bench/bare_ddp.py ...            (one process, no process group)
 
 Same model (SimpleNN by default; `--model cnn|resnet18` builds gpuflow's architecture), same
 in-memory data and global batch as gpuflow's worker; data goes through TensorDataset +
-DataLoader + DistributedSampler as hand-written scripts do, with pin_memory and `.to(device)`
-on CUDA and one bf16 autocast for `--precision bf16`. Prints one JSON line per epoch with
-samples/s, so the benchmark reads both the same way.
+DataLoader + DistributedSampler as hand-written scripts do, DDP over gloo. Prints one JSON
+line per epoch with samples/s, so the benchmark reads both the same way. The GPU reference,
+with the data held on the device, is bench/bare_gpu.py.
 """
 
 import argparse
@@ -48,48 +48,35 @@ def parse_args():
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--model", default="mlp", help="mlp (the seeds' SimpleNN), cnn or resnet18")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     return p.parse_args()
 
 
 def main():
     args = parse_args()
     ddp = "RANK" in os.environ
-    cuda = args.device == "cuda"
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    if cuda:
-        torch.cuda.set_device(local)
     if ddp:
-        dist.init_process_group("nccl" if cuda else "gloo")
+        dist.init_process_group("gloo")
     rank, world = (dist.get_rank(), dist.get_world_size()) if ddp else (0, 1)
-    device = torch.device("cuda", local) if cuda else torch.device("cpu")
     torch.manual_seed(42)
     bundle = load_data(TrainConfig(dataset=args.dataset, synthetic_size=args.synthetic_size,
                                    synthetic_side=args.synthetic_side, model=args.model), fingerprint=False)
     dataset = TensorDataset(bundle.train.x, bundle.train.y)
     sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=42)
-    loader = DataLoader(dataset, batch_size=args.batch_size // world, sampler=sampler, pin_memory=cuda)
+    loader = DataLoader(dataset, batch_size=args.batch_size // world, sampler=sampler)
     model = SimpleNN() if args.model == "mlp" else build_model(args.model, bundle.num_classes,
                                                                 tuple(bundle.train.x.shape[1:]))
-    model = model.to(device)
-    model = DDP(model, device_ids=[local] if cuda else None) if ddp else model
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16")
+    model = DDP(model) if ddp else model
     criterion = nn.CrossEntropyLoss()
     optimizer = torch.optim.Adam(model.parameters(), lr=0.001)
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
         start, seen = time.perf_counter(), 0
         for inputs, labels in loader:
-            inputs, labels = inputs.to(device, non_blocking=cuda), labels.to(device, non_blocking=cuda)
             optimizer.zero_grad()
-            with autocast:
-                loss = criterion(model(inputs), labels)
+            loss = criterion(model(inputs), labels)
             loss.backward()
             optimizer.step()
             seen += len(labels)
-        if cuda:
-            torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
         if rank == 0:
             print(json.dumps({"epoch": epoch + 1, "samples_per_s": seen * world / elapsed,

@@ -18,7 +18,7 @@ TORCHRUN = [PY, "-m", "torch.distributed.run", "--standalone"]
 
 def env(**extra) -> dict:
     e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    for k in ("MLFLOW_RUN_ID", "GPUFLOW_FAULT"):
+    for k in ("MLFLOW_RUN_ID", "GPUFLOW_FAULT", "GPUFLOW_METRICS_FILE"):  # no faults, no live metrics
         e.pop(k, None)
     e.update({k: str(v) for k, v in extra.items()})
     return e

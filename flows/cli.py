@@ -94,13 +94,13 @@ def parser() -> argparse.ArgumentParser:
     return top
 
 
-def parse(argv: list[str]) -> tuple[str, type[BaseModel] | None, dict]:
+def parse(argv: list[str], p: argparse.ArgumentParser | None = None) -> tuple[str, type[BaseModel] | None, dict]:
     """(command, its parameter model, the values given); arguments after `--` go to a REST field."""
     rest: list[str] | None = None
     if "--" in argv:
         i = argv.index("--")
         argv, rest = argv[:i], argv[i + 1:]
-    p = parser()
+    p = p or parser()
     ns = vars(p.parse_args(argv))
     command, model = ns.pop("command"), ns.pop("_model", None)
     if rest is not None:

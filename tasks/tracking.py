@@ -55,14 +55,15 @@ def prepare_store(uri: str) -> MlflowClient:
     would each create its tables and collide: creation holds a lock file beside it.
     """
     mlflow.set_tracking_uri(uri)
-    client = MlflowClient(uri)
-    if uri.startswith("sqlite:///"):
-        db_path = Path(uri.removeprefix("sqlite:///"))
-        db_path.parent.mkdir(parents=True, exist_ok=True)
-        with _exclusive(db_path.with_name(db_path.name + "-lock")):
-            client.search_experiments(max_results=1)  # creates the tables if missing
-            with sqlite3.connect(db_path, timeout=30) as db:
-                db.execute("PRAGMA journal_mode=WAL")
+    if not uri.startswith("sqlite:///"):
+        return MlflowClient(uri)
+    db_path = Path(uri.removeprefix("sqlite:///"))
+    db_path.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive(db_path.with_name(db_path.name + "-lock")):
+        client = MlflowClient(uri)
+        client.search_experiments(max_results=1)  # creates the tables if missing
+        with sqlite3.connect(db_path, timeout=30) as db:
+            db.execute("PRAGMA journal_mode=WAL")
     return client
 
 

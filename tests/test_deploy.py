@@ -51,7 +51,11 @@ def test_served_ddp_deployment_runs_from_the_cli_and_logs_to_mlflow(tmp_path):
             limit = _prefect(["global-concurrency-limit", "inspect",
                               f"gpuflow-devices-{socket.gethostname()}"], env)
             nightly = _prefect(["deployment", "inspect", "retrain/nightly"], env).stdout
+            listings = [_prefect([kind, "ls"], env) for kind in ("deployment", "flow-run")]
             assert serving.proc.poll() is None
+    for ls in listings:  # the first commands a user types (422 with fastapi >= 0.151)
+        assert ls.returncode == 0, ls.stdout[-2000:] + ls.stderr[-2000:]
+    assert "train-pipeline/ddp" in listings[0].stdout.replace("\n", "")
     assert limit.returncode == 0 and "limit=1" in limit.stdout, limit.stdout
     assert "0 2 * * *" in nightly
     mlflow.set_tracking_uri(f"sqlite:///{db}")
@@ -96,6 +100,31 @@ def test_inference_on_a_chosen_device_reproduces_the_logged_accuracy(retrained):
     logged = mlflow.MlflowClient().get_run(first["run_id"]).data.metrics["val_accuracy"]
     assert out["version"] == "1" and out["device"] == "cpu" and out["samples"] == 359
     assert out["accuracy"] == pytest.approx(logged, abs=1e-6)
+
+
+def test_gpuflow_evaluate_and_infer_use_the_champion_on_the_named_device(retrained, tmp_path):
+    import torch
+
+    from gpuflow.training import TrainConfig
+    from gpuflow.training.data import load_data
+
+    base, store, first, _ = retrained
+    env = dict(os.environ, MLFLOW_TRACKING_URI=store["tracking_uri"], PREFECT_HOME=str(tmp_path / "ph"))
+    env.pop("PREFECT_API_URL", None)
+    gpuflow = [sys.executable, "-m", "gpuflow.flows.cli"]
+    val = load_data(TrainConfig(**{k: v for k, v in QUICK.items() if k in TrainConfig.model_fields})).val
+    torch.save({"inputs": val.x[:5]}, tmp_path / "x.pt")
+    proc = subprocess.run([*gpuflow, "infer", "--inputs", str(tmp_path / "x.pt"), "--gpus", "cpu",
+                           "--output", str(tmp_path / "pred.json")], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    pred = json.loads((tmp_path / "pred.json").read_text())
+    assert pred["version"] == "1" and pred["device"] == "cpu" and pred["samples"] == 5
+    assert len(pred["predictions"]) == 5 and all(abs(sum(p) - 1) < 1e-4 for p in pred["probabilities"])
+    assert sum(p == y for p, y in zip(pred["predictions"], val.y[:5].tolist())) >= 3
+    three = subprocess.run([*gpuflow, "evaluate", "--gpus", "3"], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert three.returncode == 2 and "asks for several devices" in three.stderr and "'3,'" in three.stderr
 
 
 @pytest.mark.gpu

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -13,8 +14,9 @@ from types import SimpleNamespace
 import pytest
 from pydantic import ValidationError
 
-from gpuflow.tasks.assign import AssignmentError, CardLocks, DeviceRequest, assign_devices_for
-from gpuflow.tasks.probe import EnvironmentReport, GpuInfo, read_environment, torch_view_files
+from gpuflow.flows.params import PipelineParams
+from gpuflow.tasks.assign import AssignmentError, CardLocks, assign_devices_for
+from gpuflow.tasks.probe import EnvironmentReport, GpuInfo, read_environment
 from tests.helpers import ROOT
 
 
@@ -61,7 +63,7 @@ PLANS = [  # (host, request, batch, precision, expected plan fields)
 
 @pytest.mark.parametrize("name,report,req,batch,precision,expected", PLANS, ids=[p[0] for p in PLANS])
 def test_plan(name, report, req, batch, precision, expected):
-    plan = assign_devices_for(report, DeviceRequest(**req), batch, precision)
+    plan = assign_devices_for(report, PipelineParams(**req), batch, precision)
     for key, value in expected.items():
         assert getattr(plan, key) == value, key
 
@@ -103,7 +105,7 @@ ERRORS = [  # (host, request, batch, precision, locked, exact message fragment)
                          ids=[e[0] for e in ERRORS])
 def test_assignment_error(name, report, req, batch, precision, locked, message):
     with pytest.raises(AssignmentError) as err:
-        assign_devices_for(report, DeviceRequest(**req), batch, precision, locked=locked)
+        assign_devices_for(report, PipelineParams(**req), batch, precision, locked=locked)
     assert message in str(err.value)
 
 
@@ -111,16 +113,16 @@ def test_assignment_error(name, report, req, batch, precision, locked, message):
     ("1,1", "names GPU 1 twice"), ("0", "use gpus=cpu"), ("two", "is not understood")])
 def test_bad_gpu_request_forms(gpus, message):
     with pytest.raises(ValidationError, match=message):
-        DeviceRequest(gpus=gpus)
+        PipelineParams(gpus=gpus)
 
 
 def test_auto_avoids_cards_locked_by_another_run():
-    plan = assign_devices_for(FOUR, DeviceRequest(), 64, locked={0, 2})
+    plan = assign_devices_for(FOUR, PipelineParams(), 64, locked={0, 2})
     assert plan.physical_ids == [1, 3]
 
 
 def test_card_locks_exclude_each_other_and_die_with_their_holder(tmp_path):
-    plan = assign_devices_for(FOUR, DeviceRequest(gpus="3,2"), 64)
+    plan = assign_devices_for(FOUR, PipelineParams(gpus="3,2"), 64)
     a, b = CardLocks(tmp_path), CardLocks(tmp_path)
     a.acquire(plan)
     assert b.held_elsewhere(FOUR) == {2, 3}
@@ -148,7 +150,7 @@ CHILD = ("import json, os, torch; print(json.dumps({'cvd': os.environ.get('CUDA_
 
 
 def test_child_process_receives_the_plan():
-    plan = assign_devices_for(FOUR, DeviceRequest(gpus="3,1", strategy="dp"), 64)
+    plan = assign_devices_for(FOUR, PipelineParams(gpus="3,1", strategy="dp"), 64)
     out = subprocess.run([sys.executable, "-c", CHILD], env=plan.child_environ(),
                          capture_output=True, text=True, check=True).stdout
     seen = json.loads(out)
@@ -160,7 +162,7 @@ def test_child_process_receives_the_plan():
 @pytest.mark.gpu
 def test_child_sees_exactly_the_assigned_real_gpu():
     report = read_environment()
-    plan = assign_devices_for(report, DeviceRequest(gpus=f"{report.gpus[-1].index},"), 8)
+    plan = assign_devices_for(report, PipelineParams(gpus=f"{report.gpus[-1].index},"), 8)
     seen = json.loads(subprocess.run([sys.executable, "-c", CHILD], env=plan.child_environ(),
                                      capture_output=True, text=True, check=True).stdout)
     assert seen["count"] == 1 and seen["cvd"] == str(report.gpus[-1].index)
@@ -169,17 +171,23 @@ def test_child_sees_exactly_the_assigned_real_gpu():
 # --- probe --------------------------------------------------------------------------
 
 
-def test_flow_probe_without_gpus_reads_torch_versions_from_its_files_not_an_import():
-    import torch
+@pytest.mark.parametrize("gpus,expected", [
+    ("auto", [0]), ("1", [0]), ("2,", [2]), ("cpu", [])])
+def test_evaluation_takes_one_device_with_runs_gpus_grammar(gpus, expected):
+    from gpuflow.tasks.assign import one_device_plan
 
-    files = torch_view_files()
-    assert files["torch_version"] == torch.__version__ and files["cuda_version"] == torch.version.cuda
-    code = ("import sys; from gpuflow.tasks.probe import read_environment; "
-            "r = read_environment(import_torch=False); print(r.torch_version, 'torch' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         cwd=ROOT, check=True).stdout.split()
-    if not read_environment(with_torch=False).gpus:  # with GPUs torch's view comes from a child
-        assert out == [torch.__version__, "False"]
+    plan = one_device_plan(FOUR, gpus)
+    assert plan.physical_ids == expected and plan.strategy == "single" and plan.nproc_per_node == 1
+
+
+@pytest.mark.parametrize("gpus,message", [
+    ("3", "gpus=3 asks for several devices but this step uses one; name one card ('3,')"),
+    ("3,2", "gpus=3,2 asks for several devices")])
+def test_evaluation_refuses_several_devices_and_says_how_to_name_one(gpus, message):
+    from gpuflow.tasks.assign import one_device_plan
+
+    with pytest.raises(AssignmentError, match=re.escape(message)):
+        one_device_plan(FOUR, gpus)
 
 
 def test_probe_on_this_host_never_raises_and_never_initialises_cuda(monkeypatch):
@@ -242,7 +250,7 @@ def test_probe_falls_back_to_nvidia_smi(tmp_path, monkeypatch):
     assert report.source == "nvidia-smi" and report.driver_version == "550.1"
     assert [g.processes for g in report.gpus] == [0, 1]
     assert report.gpus[1].utilization_pct == 97
-    plan = assign_devices_for(report, DeviceRequest(), 64)
+    plan = assign_devices_for(report, PipelineParams(), 64)
     assert plan.physical_ids == [0]  # GPU 1 is busy
 
 

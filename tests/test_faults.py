@@ -98,11 +98,11 @@ def _free_port() -> int:
 def test_a_node_that_never_arrives_fails_within_the_rendezvous_timeout(tmp_path):
     p = PipelineParams(**BASE, nnodes=2, node_rank=0, rdzv_endpoint=f"127.0.0.1:{_free_port()}",
                        rdzv_timeout_s=10, dist_timeout_s=10, cpu_processes=1)
-    plan = assign_devices_for(read_environment(with_torch=False), p.device_request(), p.batch_size)
+    plan = assign_devices_for(read_environment(with_torch=False), p, p.batch_size)
     cfg = p.train_config(plan, tmp_path).to_json(tmp_path / "config.json")
     start = time.monotonic()
     with pytest.raises(TrainingFailed, match="training exited with code"):
-        launch(cfg, plan, p.launch_options("t"), tmp_path, logging.getLogger("t"))
+        launch(cfg, plan, p, tmp_path, logging.getLogger("t"))
     assert time.monotonic() - start < 120
     assert not (tmp_path / "checkpoints").exists()
 
@@ -197,6 +197,7 @@ def test_servers_in_the_makefile_bind_to_loopback():
 
 
 def test_sigterm_to_a_running_pipeline_marks_the_run_killed_and_stops_training(tmp_path):
+    # Also: a default run is the flow, its ephemeral API, torchrun's agent and the ranks. Nothing else.
     import signal
     import sqlite3
     import subprocess
@@ -207,7 +208,7 @@ def test_sigterm_to_a_running_pipeline_marks_the_run_killed_and_stops_training(t
     from tests.helpers import child_env
 
     db = tmp_path / "mlflow.db"
-    cmd = [sys.executable, "-m", "gpuflow.flows.train", "--dataset", "synthetic", "--synthetic-size", "60000",
+    cmd = [sys.executable, "-m", "gpuflow.flows.cli", "run", "--dataset", "synthetic", "--synthetic-size", "60000",
            "--epochs", "50", "--gpus", "cpu", "--tracking-uri", f"sqlite:///{db}",
            "--runs-dir", str(tmp_path / "runs")]
     env = child_env(PREFECT_HOME=str(tmp_path / "ph"), PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180")
@@ -229,6 +230,12 @@ def test_sigterm_to_a_running_pipeline_marks_the_run_killed_and_stops_training(t
         assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
         time.sleep(1)
     workers = [p for p in psutil.Process(proc.pid).children(recursive=True)]
+    children = sorted(" ".join(p.cmdline()[1:3]) for p in psutil.Process(proc.pid).children())
+    assert children == ["-m torch.distributed.run", "-m uvicorn"], children
+    agent = next(p for p in psutil.Process(proc.pid).children() if "torch.distributed.run" in p.cmdline())
+    ranks = agent.children(recursive=True)
+    assert len(workers) == 4 and len(ranks) == 2, [p.cmdline()[:4] for p in workers]
+    assert all("gpuflow.training" in p.cmdline() for p in ranks)
     proc.send_signal(signal.SIGTERM)
     proc.wait(120)
     assert proc.returncode != 0

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from gpuflow.flows.train import train_pipeline
-from gpuflow.tasks.assign import AssignmentError, DeviceRequest, assign_devices_for
+from gpuflow.flows.params import PipelineParams
+from gpuflow.tasks.assign import AssignmentError, assign_devices_for
 from gpuflow.tasks.probe import read_environment
 from tests.helpers import child_env, result, run_worker
 from gpuflow.training.checkpoint import load_file
@@ -95,11 +96,11 @@ def test_a_card_busy_with_another_process_is_skipped_by_auto():
         others = [i for i, n in busy.items() if i != card and n == 0]
         report = read_environment(with_torch=False)
         if others:
-            plan = assign_devices_for(report, DeviceRequest(gpus="1"), 8)
+            plan = assign_devices_for(report, PipelineParams(gpus="1"), 8)
             assert card not in plan.physical_ids
         else:
             with pytest.raises(AssignmentError, match="busy"):
-                assign_devices_for(report, DeviceRequest(gpus="1"), 8)
+                assign_devices_for(report, PipelineParams(gpus="1"), 8)
     finally:
         holder.kill()
         holder.wait()

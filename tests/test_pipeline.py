@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -13,7 +14,7 @@ import mlflow
 import pytest
 import torch
 
-from gpuflow.flows.params import PipelineParams, user_fields
+from gpuflow.flows.params import PipelineParams
 from gpuflow.flows.train import train_pipeline
 from gpuflow.tasks.assign import assign_devices_for
 from gpuflow.tasks.launch import launch
@@ -136,16 +137,6 @@ def test_bad_parameters_are_refused_before_any_run_starts(prefect_api, store):
     assert not Path(store["tracking_uri"].removeprefix("sqlite:///")).exists()
 
 
-def test_flow_parameters_match_the_parameter_model():
-    import inspect
-
-    sig = inspect.signature(train_pipeline.fn).parameters
-    fields = user_fields()
-    assert set(sig) == set(fields)
-    for name, f in fields.items():
-        assert sig[name].default == f.default, name
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -157,7 +148,7 @@ def test_two_nodes_on_one_host_train_together_into_one_run(prefect_api, store, t
     common = dict(**FAST, gpus="cpu", cpu_processes=1, nnodes=2, rdzv_endpoint=endpoint)
     # node 1: the same launch code the flow uses, in a thread, joining node 0's rendezvous
     p1 = PipelineParams(**common, node_rank=1, runs_dir=str(tmp_path / "node1"))
-    plan = assign_devices_for(read_environment(with_torch=False), p1.device_request(), p1.batch_size)
+    plan = assign_devices_for(read_environment(with_torch=False), p1, p1.batch_size)
     work = tmp_path / "node1"
     work.mkdir()
     cfg = p1.train_config(plan, work).to_json(work / "config.json")
@@ -167,7 +158,7 @@ def test_two_nodes_on_one_host_train_together_into_one_run(prefect_api, store, t
         import logging
 
         try:
-            launch(cfg, plan, p1.launch_options(endpoint), work, logging.getLogger("node1"))
+            launch(cfg, plan, p1, work, logging.getLogger("node1"))
         except BaseException as e:  # surfaced by the assert below
             errors.append(e)
 
@@ -196,7 +187,7 @@ def test_readme_main_command_on_a_fresh_copy_writes_a_finished_run(tmp_path):
     env = child_env(PREFECT_HOME=str(tmp_path / "prefect-home"))
     for k in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI"):
         env.pop(k, None)
-    proc = subprocess.run(["make", "-o", ".venv/.installed", "run", "ARGS=--epochs 1"], cwd=clone,
+    proc = subprocess.run(["make", "-o", ".venv/.installed", "run", "ARGS=--epochs 2"], cwd=clone,
                           env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     db = clone / "mlflow.db"
@@ -205,3 +196,14 @@ def test_readme_main_command_on_a_fresh_copy_writes_a_finished_run(tmp_path):
     runs = mlflow.search_runs(search_all_experiments=True, output_format="list")
     assert [r.info.status for r in runs] == ["FINISHED"]
     assert '"status": "FINISHED"' in proc.stdout
+    # The run's params are the config the worker ran, field for field, plus the launch's settings.
+    params = runs[0].data.params
+    config = json.loads((clone / "runs" / runs[0].info.run_id / "config.json").read_text())
+    assert config["epochs"] == 2 and config["device"] == "cpu"
+    assert config["checkpoint_dir"] == str(clone / "runs" / runs[0].info.run_id / "checkpoints")
+    for k, v in config.items():
+        assert params[k] == (json.dumps(v) if isinstance(v, list) else str(v)), k
+    assert params["gpus"] == "auto" and params["world_size"] == "2" and params["nnodes"] == "1"
+    assert set(params) - set(config) == {"gpus", "world_size", "nnodes", "nproc_per_node", "backend",
+                                         "min_free_mb", "skip_busy", "cpu_processes", "max_restarts",
+                                         "launch_retries", "rdzv_timeout_s"}

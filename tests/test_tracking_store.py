@@ -1,33 +1,152 @@
-"""The MLflow side of the flow on a real SQLite store, without Prefect: runs started
-together on one store, and a run whose start fails half-way."""
+"""The flow's MLflow run on a real SQLite store, without Prefect: one context manager that always
+ends the run, the metrics relay, runs left RUNNING by a dead owner, runs started together."""
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 import threading
+import time
 import types
 
 import mlflow
 import pytest
 
-from gpuflow.tasks.mlrun import prepare_store, start_run
+from gpuflow.tasks import tracking
+from gpuflow.training.metrics import MetricsFile
 
-DATASET = types.SimpleNamespace(name="synthetic", root=None, sha256="ab" * 32, num_samples=10)
+DATASET = {"name": "synthetic", "root": None, "sha256": "ab" * 32, "num_samples": 10}
 
 
-@pytest.mark.parametrize("trial", range(3))
+def _uri(tmp_path) -> str:
+    return f"sqlite:///{tmp_path / 'mlflow.db'}"
+
+
+def _runs(uri: str, experiment: str) -> list:
+    return mlflow.MlflowClient(uri).search_runs(
+        [mlflow.MlflowClient(uri).get_experiment_by_name(experiment).experiment_id])
+
+
+def test_tracked_run_ends_finished_failed_or_killed_with_the_reason(tmp_path):
+    uri = _uri(tmp_path)
+    with tracking.tracked_run(uri, "ends", "ok", {}, DATASET, tmp_path / "runs", 60) as ok:
+        assert ok.workdir == (tmp_path / "runs" / ok.run_id).resolve() and ok.workdir.is_dir()
+    with pytest.raises(ValueError):
+        with tracking.tracked_run(uri, "ends", "bad", {}, DATASET, tmp_path / "runs", 60):
+            raise ValueError("boom in training")
+    with pytest.raises(KeyboardInterrupt):
+        with tracking.tracked_run(uri, "ends", "stopped", {}, DATASET, tmp_path / "runs", 60):
+            raise KeyboardInterrupt
+    by_name = {r.info.run_name: r for r in _runs(uri, "ends")}
+    assert {n: r.info.status for n, r in by_name.items()} == {"ok": "FINISHED", "bad": "FAILED", "stopped": "KILLED"}
+    assert by_name["bad"].data.tags["error"] == "ValueError: boom in training"
+    assert by_name["stopped"].data.tags["error"].startswith("KeyboardInterrupt")
+    assert mlflow.active_run() is None
+
+
+def test_a_run_whose_start_fails_is_marked_failed_not_left_running(tmp_path):
+    uri = _uri(tmp_path)
+    with pytest.raises(KeyError):
+        with tracking.tracked_run(uri, "half", "bad", {}, {"name": "no digest"}, tmp_path / "runs", 60):
+            pass
+    assert mlflow.active_run() is None
+    assert [r.info.status for r in _runs(uri, "half")] == ["FAILED"]
+
+
+def test_relay_logs_complete_lines_live_and_the_rest_when_it_stops(tmp_path):
+    uri = _uri(tmp_path)
+    with tracking.tracked_run(uri, "relay", "r", {}, DATASET, tmp_path / "runs", 60) as run:
+        client = run.client
+        sink = MetricsFile(is_main=True, path=str(run.metrics_file))
+        assert MetricsFile(is_main=False, path=str(run.metrics_file))._file is None  # rank 0 only
+        with run.relaying_metrics() as relay:
+            sink.log_epoch(1, {"val_accuracy": 0.1, "train_loss": 1.0})
+            deadline = time.monotonic() + 30
+            while not client.get_metric_history(run.run_id, "val_accuracy") and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert len(client.get_metric_history(run.run_id, "val_accuracy")) == 1  # live, before the end
+            for epoch in (2, 3):
+                sink.log_epoch(epoch, {"val_accuracy": epoch / 10, "train_loss": 1.0 / epoch})
+            with open(run.metrics_file, "a") as f:
+                f.write('{"step": 4, "timestamp": 1, "metr')  # a writer killed mid-line
+        sink.close()
+        assert relay.logged == 3
+    history = client.get_metric_history(run.run_id, "val_accuracy")
+    assert sorted((m.step, m.value) for m in history) == [(1, 0.1), (2, 0.2), (3, 0.3)]
+
+
+OWNER = """
+import sys, time
+from gpuflow.tasks import tracking
+with tracking.tracked_run(sys.argv[1], "orphans", "victim", {}, {"name": "d", "sha256": "ab" * 32,
+                          "num_samples": 1}, sys.argv[2], 60) as run:
+    print(run.run_id, flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_run_whose_owner_was_killed_outright_is_marked_killed_by_the_next_start(tmp_path):
+    uri = _uri(tmp_path)
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, uri, str(tmp_path / "runs")],
+                             stdout=subprocess.PIPE, text=True)
+    victim = owner.stdout.readline().strip()
+    client = mlflow.MlflowClient(uri)
+    assert client.get_run(victim).info.status == "RUNNING"
+    assert tracking.reap_orphaned_runs(client) == []  # its owner is alive: left alone
+    owner.send_signal(signal.SIGKILL)  # no finally, no exit handler runs
+    owner.wait()
+    assert client.get_run(victim).info.status == "RUNNING"
+    with tracking.tracked_run(uri, "orphans", "next", {}, DATASET, tmp_path / "runs", 60):
+        pass
+    run = client.get_run(victim)
+    assert run.info.status == "KILLED"
+    assert f"pid {owner.pid}" in run.data.tags["error"] and "killed or crashed" in run.data.tags["error"]
+
+
+def test_a_reused_pid_does_not_keep_a_dead_owners_run_alive(tmp_path):
+    uri = _uri(tmp_path)
+    client = tracking.prepare_store(uri)
+    exp = client.create_experiment("reuse")
+    # This very process, but started at another time: the pid was reused.
+    tags = {**tracking.owner_tags(), tracking.OWNER_STARTED: "1000.000"}
+    stale = client.create_run(exp, tags=tags).info.run_id
+    live = client.create_run(exp, tags=tracking.owner_tags()).info.run_id
+    other_host = client.create_run(exp, tags={**tags, tracking.OWNER_HOST: "some-other-host"}).info.run_id
+    assert tracking.reap_orphaned_runs(client) == [stale]
+    assert [client.get_run(r).info.status for r in (stale, live, other_host)] == ["KILLED", "RUNNING", "RUNNING"]
+
+
+def test_prefect_crash_hook_ends_the_flow_runs_mlflow_run_killed(tmp_path):
+    # The hook Prefect's runner calls, in its own process, when a served flow run crashes
+    # or is cancelled: flow_run carries the id the run is tagged with and the parameters.
+    uri = _uri(tmp_path)
+    client = tracking.prepare_store(uri)
+    exp = client.create_experiment("hook")
+    mine = client.create_run(exp, tags={tracking.FLOW_RUN_TAG: "flow-run-1"}).info.run_id
+    other = client.create_run(exp, tags={tracking.FLOW_RUN_TAG: "flow-run-2"}).info.run_id
+    flow_run = types.SimpleNamespace(id="flow-run-1", name="mlp-digits", parameters={"tracking_uri": uri})
+    state = types.SimpleNamespace(name="Crashed", message="Flow run process exited with code -9")
+    tracking.end_flow_run_mlflow_runs(None, flow_run, state)
+    assert client.get_run(mine).info.status == "KILLED"
+    assert "ended Crashed: Flow run process exited with code -9" in client.get_run(mine).data.tags["error"]
+    assert client.get_run(other).info.status == "RUNNING"
+
+
+@pytest.mark.parametrize("trial", range(2))
 def test_runs_started_together_all_link_the_same_dataset(tmp_path, trial):
     # MLflow's SQL store checks for the dataset row, then inserts it: without the retry in
-    # tasks.mlrun.log_dataset one of these starts fails the UNIQUE constraint (seen in CI)
-    # and its run stays RUNNING.
-    prepare_store(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    # tracking.log_dataset one of these starts fails the UNIQUE constraint (seen in CI).
+    uri = _uri(tmp_path)
+    tracking.prepare_store(uri)
     n, errors = 6, []
     barrier = threading.Barrier(n)
 
     def one(i):
         barrier.wait()
         try:
-            start_run("race", f"r{i}", {"i": i}, {}, DATASET, system_metrics_interval=60)
-            mlflow.end_run()
+            with tracking.tracked_run(uri, "race", f"r{i}", {"i": i}, DATASET, tmp_path / "runs", 60):
+                pass
         except Exception as e:  # noqa: BLE001 - collected and asserted below
             errors.append(e)
 
@@ -37,53 +156,17 @@ def test_runs_started_together_all_link_the_same_dataset(tmp_path, trial):
     for t in threads:
         t.join(120)
     assert not errors, errors
-    runs = mlflow.search_runs(experiment_names=["race"], output_format="list")
+    runs = _runs(uri, "race")
     assert len(runs) == n and {r.info.status for r in runs} == {"FINISHED"}
     for r in runs:
         inputs = r.inputs.dataset_inputs
-        assert [(d.dataset.name, d.dataset.digest) for d in inputs] == [("synthetic", DATASET.sha256[:36])]
-
-
-def test_a_run_whose_start_fails_is_marked_failed_not_left_running(tmp_path):
-    prepare_store(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    with pytest.raises(mlflow.exceptions.MlflowException):
-        # a parameter name MLflow refuses makes log_params fail after the run exists
-        start_run("half", "bad", {"what?": 1}, {}, DATASET, system_metrics_interval=60)
-    assert mlflow.active_run() is None
-    runs = mlflow.search_runs(experiment_names=["half"], output_format="list")
-    assert [r.info.status for r in runs] == ["FAILED"]
-    assert "MlflowException" in runs[0].data.tags["error"]
-
-
-def test_rank0_logger_process_writes_every_epoch_before_close_returns(tmp_path, monkeypatch):
-    # training.tracking.MetricsSink hands metrics to training/metrics_logger.py, a child
-    # process; close() must not return before the last epoch is in the store, since the flow
-    # reads and ends the run right after the workers exit.
-    from gpuflow.training.tracking import MetricsSink
-
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    prepare_store(uri)
-    client = mlflow.MlflowClient(uri)
-    run_id = client.create_run(client.create_experiment("sink")).info.run_id
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    monkeypatch.setenv("MLFLOW_RUN_ID", run_id)
-    assert MetricsSink(is_main=False)._proc is None  # other ranks never start one
-    sink = MetricsSink(is_main=True)
-    sink.wait_ready()
-    for epoch in (1, 2, 3):
-        sink.log_epoch(epoch, {"val_accuracy": epoch / 10, "train_loss": 1.0 / epoch})
-    sink.close()
-    history = client.get_metric_history(run_id, "val_accuracy")
-    assert [(m.step, m.value) for m in sorted(history, key=lambda m: m.step)] == [(1, 0.1), (2, 0.2), (3, 0.3)]
-    assert len(client.get_metric_history(run_id, "train_loss")) == 3
-    sink.log_epoch(4, {"val_accuracy": 0.4})  # after close: ignored, no error
-    assert client.get_run(run_id).info.status == "RUNNING"  # the logger never ends the run
+        assert [(d.dataset.name, d.dataset.digest) for d in inputs] == [("synthetic", DATASET["sha256"][:36])]
 
 
 PREPARE_AT = """
 import sys, time
 import mlflow  # imported before the start time: the creations overlap as closely as possible
-from gpuflow.tasks.mlrun import prepare_store
+from gpuflow.tasks.tracking import prepare_store
 time.sleep(max(0.0, float(sys.argv[2]) - time.time()))
 prepare_store(sys.argv[1])
 """
@@ -91,12 +174,8 @@ prepare_store(sys.argv[1])
 
 @pytest.mark.parametrize("trial", range(2))
 def test_processes_creating_a_new_store_together_all_succeed(tmp_path, trial):
-    # Three flows started at once on a fresh mlflow.db each create its tables; without the
-    # lock in tasks.mlrun.prepare_store they collide ('table ... already exists', seen in CI).
-    import subprocess
-    import sys
-    import time
-
+    # Flows started at once on a fresh mlflow.db each create its tables; without the lock in
+    # tracking.prepare_store they collide ('table ... already exists', seen in CI).
     uri = f"sqlite:///{tmp_path / 'sub' / 'mlflow.db'}"
     at = str(time.time() + 8)
     procs = [subprocess.Popen([sys.executable, "-c", PREPARE_AT, uri, at], stderr=subprocess.PIPE, text=True)

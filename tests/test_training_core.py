@@ -67,7 +67,7 @@ def test_interrupted_checkpoint_write_leaves_previous_one_intact(tmp_path, monke
     good = store.save({"model": SimpleNN().state_dict(), "epoch": 1}, 1)
 
     def dying_save(obj, f, *a, **k):
-        f.write(b"half a file")
+        Path(f).write_bytes(b"half a file")
         raise KeyboardInterrupt  # the process is killed mid-write
 
     monkeypatch.setattr(torch, "save", dying_save)
@@ -185,9 +185,11 @@ def test_default_dataset_and_mlp_really_learn(tmp_path):
 
 
 def test_training_package_never_imports_prefect():
-    code = ("import sys, training, training.trainer, training.data, training.checkpoint, "
-            "training.distributed, training.tracking, training.__main__; "
-            "bad = [m for m in sys.modules if m.split('.')[0] == 'prefect']; "
+    # ...nor MLflow: only the flow talks to the tracking store
+    code = ("import sys, gpuflow.training.trainer, gpuflow.training.data, gpuflow.training.checkpoint, "
+            "gpuflow.training.distributed, gpuflow.training.metrics, gpuflow.training.evaluate, "
+            "gpuflow.training.__main__; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('prefect', 'mlflow')]; "
             "print(bad); sys.exit(1 if bad else 0)")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=child_env(),
                           capture_output=True, text=True)
@@ -271,11 +273,20 @@ def test_deterministic_adaptive_pool_matches_the_stock_kernel(size, out):
     assert torch.equal(AdaptiveAvgPool2d(out)(x), ref)  # off CUDA: the stock kernel
 
 
-def test_a_run_id_mlflow_does_not_know_warns_before_the_loop_and_training_completes(tmp_path):
-    # The sink checks the run while data loads (which also builds the store off the loop);
-    # tracking trouble must never cost the training: result.json still has everything.
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    proc = run_worker(tmp_path / "w", env=child_env(MLFLOW_RUN_ID="0123456789abcdef", MLFLOW_TRACKING_URI=uri),
+def test_rank0_appends_one_metrics_line_per_epoch_to_the_file_the_flow_names(tmp_path):
+    from gpuflow.training.metrics import parse_line
+
+    metrics = tmp_path / "metrics.jsonl"
+    run_worker(tmp_path / "w", env=child_env(GPUFLOW_METRICS_FILE=str(metrics)), epochs=2, **SMALL)
+    lines = [parse_line(line) for line in metrics.read_text().splitlines()]
+    assert [step for step, _, _ in lines] == [1, 2]
+    hist = result(tmp_path / "w")["history"]
+    assert [m["val_accuracy"] for _, _, m in lines] == [h["val_accuracy"] for h in hist]
+
+
+def test_an_unwritable_metrics_file_warns_and_training_completes(tmp_path):
+    # live metrics are a convenience: result.json still has everything
+    proc = run_worker(tmp_path / "w", env=child_env(GPUFLOW_METRICS_FILE=str(tmp_path / "no" / "m.jsonl")),
                       epochs=1, **SMALL)
-    assert "MLflow unavailable" in proc.stderr and "0123456789abcdef" in proc.stderr
+    assert "live metrics off" in proc.stderr and str(tmp_path / "no" / "m.jsonl") in proc.stderr
     assert result(tmp_path / "w")["epochs_run"] == 1

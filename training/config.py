@@ -57,20 +57,20 @@ class TrainConfig(BaseModel):
     epochs: int = Field(3, description="epochs to train (> 0)")
     batch_size: int = Field(64, description="global batch size, split across devices")
     lr: float = Field(1e-3, description="learning rate (> 0)")
-    optimizer: Literal["adam", "sgd"] = "adam"
+    optimizer: Literal["adam", "sgd"] = Field("adam", description="adam, or sgd with momentum")
     momentum: float = Field(0.9, ge=0, description="SGD momentum")
     grad_clip: float = Field(0.0, ge=0, description="max grad norm; 0 disables clipping")
-    precision: Precision = "fp32"
-    strategy: Strategy = "single"
+    precision: Precision = Field("fp32", description="bf16/fp16: autocast mixed precision (fp16 needs CUDA)")
+    strategy: Strategy = Field("single", description="single device, nn.DataParallel, or DDP under torchrun")
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="auto uses CUDA when the child sees a GPU"
     )
     device_ids: list[int] | None = Field(
         None, description="logical DataParallel device ids (default: all visible)"
     )
-    seed: int = 42
+    seed: int = Field(42, description="seed of Python, NumPy and torch (every device)")
     deterministic: bool = Field(False, description="cudnn.deterministic + deterministic algorithms")
-    cudnn_benchmark: bool = False
+    cudnn_benchmark: bool = Field(False, description="let cuDNN pick the fastest kernels (off with deterministic)")
     num_workers: int = Field(0, ge=0, description="DataLoader worker processes")
     checkpoint_dir: str = Field("checkpoints", description="where checkpoints are written")
     resume: str = Field(

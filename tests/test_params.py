@@ -1,0 +1,98 @@
+"""Each parameter declared once (gpuflow/flows/params.py): the flows' signatures, the Prefect
+form and the CLI all derive from the declaration, including JSON-object and list fields."""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import subprocess
+import sys
+
+import pytest
+from pydantic import BaseModel, Field
+
+from gpuflow.flows import cli
+from gpuflow.flows.infer import evaluate_model
+from gpuflow.flows.params import EvaluateParams, PipelineParams, RetrainParams, user_fields
+from gpuflow.flows.retrain import retrain
+from gpuflow.flows.train import train_pipeline
+from tests.helpers import ROOT
+
+
+@pytest.mark.parametrize("flow,model", [(train_pipeline, PipelineParams), (retrain, RetrainParams),
+                                        (evaluate_model, EvaluateParams)])
+def test_flow_parameters_and_prefect_form_come_from_the_declaration(flow, model):
+    sig = inspect.signature(flow.fn).parameters
+    fields = user_fields(model)
+    assert list(sig) == list(fields)
+    form = flow.parameters.properties
+    for name, f in fields.items():
+        assert sig[name].default == f.default and sig[name].kind is inspect.Parameter.KEYWORD_ONLY, name
+        assert form[name]["default"] == f.default, name
+        assert f.description and form[name]["description"] == f.description, name
+    if model is PipelineParams:
+        assert form["min_free_mb"]["minimum"] == 0 and form["strategy"]["enum"] == ["auto", "single", "dp", "ddp"]
+        assert "device" not in form and "checkpoint_dir" not in form  # set from the plan, not the user
+
+
+def test_the_flow_validates_its_parameters_with_the_declaration(prefect_api):
+    with pytest.raises(Exception, match="gpus='1,1' names GPU 1 twice"):
+        train_pipeline(gpus="1,1")
+
+
+def test_every_run_option_is_a_declared_field_with_its_default_in_help():
+    out = subprocess.run([sys.executable, "-m", "gpuflow.flows.cli", "run", "--help"], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    for name in user_fields(PipelineParams):
+        assert "--" + name.replace("_", "-") in out, name
+    assert "(default: 3)" in out and "--no-skip-busy" in out
+
+
+class UserScript(BaseModel):
+    """Fields of the kind the next flows add: a JSON object, a list, arguments after `--`."""
+
+    model_args: dict = Field({}, description="keyword arguments of the model, as JSON")
+    tags: list[str] = Field([], description="a JSON list")
+    epochs: int = Field(1, ge=1)
+    script_args: list[str] = Field([], description="arguments after --", json_schema_extra={"cli": cli.REST})
+
+
+def _parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="t")
+    sub = top.add_subparsers(dest="command", required=True)
+    cli.add_model(sub.add_parser("x", argument_default=argparse.SUPPRESS), UserScript)
+    return top
+
+
+def test_cli_generator_takes_json_objects_lists_and_arguments_after_double_dash():
+    command, model, values = cli.parse(
+        ["x", "--model-args", '{"width": 512}', "--tags", '["a", "b"]', "--epochs", "2", "--",
+         "--lr", "0.01", "--epochs", "5"], _parser())
+    assert command == "x" and model is UserScript
+    assert values == {"model_args": {"width": 512}, "tags": ["a", "b"], "epochs": 2,
+                      "script_args": ["--lr", "0.01", "--epochs", "5"]}
+    assert cli.parse(["x"], _parser())[2] == {}  # defaults stay with the declaration
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["x", "--model-args", "{width: 512}"], "--model-args takes JSON"),
+    (["x", "--model-args", "[1]"], "--model-args takes a JSON dict"),
+    (["x", "--tags", '{"a": 1}'], "--tags takes a JSON list")])
+def test_cli_generator_names_the_flag_of_bad_json(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.parse(argv, _parser())
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_arguments_after_double_dash_are_refused_where_no_field_takes_them(capsys):
+    with pytest.raises(SystemExit):
+        cli.parse(["run", "--epochs", "1", "--", "--lr", "1"])
+    assert "`gpuflow run` takes no arguments after --" in capsys.readouterr().err
+
+
+def test_bad_values_are_one_line_naming_the_value():
+    with pytest.raises(Exception) as e:
+        PipelineParams(epochs=0, gpus="two")
+    line = cli.one_line(e.value)
+    assert "\n" not in line and "epochs=0: epochs must be a positive integer" in line
+    assert "gpus='two': gpus='two' is not understood" in line
