@@ -19,7 +19,12 @@ from pydantic import AfterValidator, BaseModel, Field, model_validator
 from gpuflow.tasks.assign import GPUS_HELP, DevicePlan, parse_gpus
 from gpuflow.training import TrainConfig
 
+# Parameters several flows share, declared here once.
 Gpus = Annotated[str, AfterValidator(parse_gpus), Field(description=GPUS_HELP)]
+TrackingUri = Annotated[str | None, Field(description="MLflow URI (default: MLFLOW_TRACKING_URI, else "
+                                          "sqlite:///<working directory>/mlflow.db)")]
+RegisteredModel = Annotated[str, Field(description="Model Registry name")]
+Version = Annotated[str, Field(description="a registered version number, or 'champion'")]
 
 # Worker fields the flow sets from the device plan and the run's folder, never the user.
 PLAN_OWNED = ("device", "device_ids", "checkpoint_dir", "data_cache")
@@ -44,9 +49,8 @@ class PipelineParams(TrainConfig):
     rdzv_endpoint: str | None = Field(None, description="host:port of node 0's rendezvous (multi-node)")
     rdzv_timeout_s: int = Field(300, gt=0, description="fail when not every node arrives in time")
     experiment: str = Field("gpuflow", description="MLflow experiment name")
-    registered_model: str = Field("gpuflow-model", description="Model Registry name")
-    tracking_uri: str | None = Field(None, description="MLflow URI (default: MLFLOW_TRACKING_URI "
-                                     "or sqlite:///<project>/mlflow.db)")
+    registered_model: RegisteredModel = "gpuflow-model"
+    tracking_uri: TrackingUri = None
     runs_dir: str = Field("runs", description="folder for per-run configs, checkpoints and logs")
 
     @model_validator(mode="after")
@@ -96,28 +100,26 @@ class RetrainParams(PipelineParams):
 class EvaluateParams(BaseModel):
     """Loss and accuracy of a registered version (or a checkpoint file) on one device."""
 
-    registered_model: str = Field("gpuflow-model", description="Model Registry name")
-    version: str = Field("champion", description="a version number or 'champion'")
+    registered_model: RegisteredModel = "gpuflow-model"
+    version: Version = "champion"
     checkpoint: str | None = Field(None, description="evaluate this checkpoint file instead of a registered version")
     gpus: Gpus = "auto"
     split: Literal["val", "all"] = Field("val", description="the held-out split training used, or all samples")
     dataset: str | None = Field(None, description="evaluate on another dataset than the one trained on")
     data_root: str | None = Field(None, description="folder holding torchvision datasets")
-    tracking_uri: str | None = Field(None, description="MLflow URI (default: MLFLOW_TRACKING_URI "
-                                     "or sqlite:///<project>/mlflow.db)")
+    tracking_uri: TrackingUri = None
 
 
 class InferParams(BaseModel):
     """Predictions of a registered version (or a checkpoint file) for a file of inputs, on one device."""
 
     inputs: str = Field(description="a .pt file holding {'inputs': tensor of N samples}")
-    registered_model: str = Field("gpuflow-model", description="Model Registry name")
-    version: str = Field("champion", description="a version number or 'champion'")
+    registered_model: RegisteredModel = "gpuflow-model"
+    version: Version = "champion"
     checkpoint: str | None = Field(None, description="use this checkpoint file instead of a registered version")
     gpus: Gpus = "auto"
     output: str | None = Field(None, description="write the predictions JSON here (default: print it)")
-    tracking_uri: str | None = Field(None, description="MLflow URI (default: MLFLOW_TRACKING_URI "
-                                     "or sqlite:///<project>/mlflow.db)")
+    tracking_uri: TrackingUri = None
 
 
 def user_fields(model: type[BaseModel]) -> dict:

@@ -30,7 +30,6 @@ from mlflow.tracking import MlflowClient
 
 from gpuflow.training.metrics import parse_line
 
-ROOT = Path(__file__).resolve().parents[1]
 OWNER_HOST, OWNER_PID, OWNER_STARTED = "gpuflow.owner.host", "gpuflow.owner.pid", "gpuflow.owner.started"
 FLOW_RUN_TAG = "prefect.flow_run_id"
 
@@ -38,13 +37,9 @@ FLOW_RUN_TAG = "prefect.flow_run_id"
 # --- the store ----------------------------------------------------------------------------
 
 
-def project_root() -> Path:
-    """The checkout when run from one (editable install), else the working directory."""
-    return ROOT if (ROOT / "pyproject.toml").is_file() else Path.cwd()
-
-
 def default_tracking_uri() -> str:
-    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{project_root() / 'mlflow.db'}"
+    """MLFLOW_TRACKING_URI, else `mlflow.db` in the working directory (like `runs/` and `data/`)."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
 
 
 def prepare_store(uri: str) -> MlflowClient:
@@ -97,7 +92,7 @@ def ensure_experiment(client: MlflowClient, name: str) -> str:
 
 def git_commit() -> str | None:
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=project_root(), capture_output=True,
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
                              text=True, timeout=10)
         return out.stdout.strip() or None
     except (OSError, subprocess.TimeoutExpired):
