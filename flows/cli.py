@@ -36,7 +36,7 @@ def _json_arg(flag: str, kind: type):
         try:
             value = json.loads(text)
         except json.JSONDecodeError as e:
-            raise argparse.ArgumentTypeError(f"{flag} takes JSON ({e.msg}), e.g. {example}")
+            raise argparse.ArgumentTypeError(f"{flag} takes JSON ({e.msg}), e.g. {example}") from None
         if not isinstance(value, kind):
             raise argparse.ArgumentTypeError(f"{flag} takes a JSON {kind.__name__}, got {text!r}")
         return value

@@ -18,10 +18,12 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Protocol
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
-from typing import Protocol
+
+from gpuflow.training.errors import UserError
 
 from .assign import DevicePlan
 
@@ -36,6 +38,10 @@ class LaunchRequest(Protocol):
     node_rank: int
     rdzv_endpoint: str | None
     rdzv_timeout_s: int
+
+
+class RendezvousError(UserError):
+    """The rendezvous endpoint is malformed or already taken on this host."""
 
 
 class TrainingFailed(RuntimeError):
@@ -79,9 +85,9 @@ def check_rendezvous(opts: LaunchRequest) -> None:
         return
     host, _, port = opts.rdzv_endpoint.rpartition(":")
     if not port.isdigit():
-        raise ValueError(f"rdzv_endpoint {opts.rdzv_endpoint!r} must be host:port, e.g. 127.0.0.1:29400")
+        raise RendezvousError(f"rdzv_endpoint {opts.rdzv_endpoint!r} must be host:port, e.g. 127.0.0.1:29400")
     if host in ("127.0.0.1", "localhost", "0.0.0.0", socket.gethostname()) and port_in_use(host, int(port)):
-        raise ValueError(f"rendezvous port {port} on {host} is already in use; pick another "
+        raise RendezvousError(f"rendezvous port {port} on {host} is already in use; pick another "
                          "rdzv_endpoint port (or stop what listens there)")
 
 

@@ -57,7 +57,8 @@ def checkpoint_of(name: str, version: str, dest: Path) -> Path:
                         f"{mlflow.get_tracking_uri()} ({e.error_code}); list them in the MLflow UI") from None
     files = [f.path for f in client.list_artifacts(run_id, "checkpoints") if f.path.endswith(".pt")]
     if not files:
-        raise FileNotFoundError(f"model {name} v{version} (run {run_id}) has no logged checkpoint")
+        raise UserError(f"model {name} v{version} (run {run_id}) has no logged checkpoint; "
+                        "it was not registered by gpuflow, pick another version")
     return Path(client.download_artifacts(run_id, sorted(files)[-1], str(dest)))
 
 

@@ -121,7 +121,7 @@ def test_gpuflow_evaluate_and_infer_use_the_champion_on_the_named_device(retrain
     pred = json.loads((tmp_path / "pred.json").read_text())
     assert pred["version"] == "1" and pred["device"] == "cpu" and pred["samples"] == 5
     assert len(pred["predictions"]) == 5 and all(abs(sum(p) - 1) < 1e-4 for p in pred["probabilities"])
-    assert sum(p == y for p, y in zip(pred["predictions"], val.y[:5].tolist())) >= 3
+    assert sum(p == y for p, y in zip(pred["predictions"], val.y[:5].tolist(), strict=True)) >= 3
     three = subprocess.run([*gpuflow, "evaluate", "--gpus", "3"], cwd=tmp_path, env=env,
                            capture_output=True, text=True, timeout=300)
     assert three.returncode == 2 and "asks for several devices" in three.stderr and "'3,'" in three.stderr
