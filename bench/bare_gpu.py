@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gpuflow.training.config import TrainConfig  # noqa: E402  (data only, to feed identical tensors)

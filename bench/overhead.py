@@ -139,12 +139,12 @@ def table(res: dict) -> str:
     a = res["args"]
     job = a["dataset"] + (f" ({a['size']} samples)" if a["dataset"] == "synthetic" else "")
     modes = [m for m in MODES if m in res["walls"]]
-    rows = [f"Job: mlp on {job}, {a['epochs']} epochs, DDP 2 x gloo; {a['repeats']} repeats; "
-            f"prefect server became healthy in {res['server_startup_s']:.1f} s. Pipeline rows are later runs "
-            "in the same folder (existing mlflow.db and prepared dataset), as a user's repeated or "
-            "scheduled runs are.", "",
-            "| goal (running Prefect server) | measured: median (min-max) over repeats, each pipeline "
-            "run against the bare run before it | met? |", "|---|---|---|",
+    rows = [(f"Job: mlp on {job}, {a['epochs']} epochs, DDP 2 x gloo; {a['repeats']} repeats; "
+             f"prefect server became healthy in {res['server_startup_s']:.1f} s. Pipeline rows are later "
+             "runs in the same folder (existing mlflow.db and prepared dataset), as a user's repeated "
+             "or scheduled runs are."), "",
+            ("| goal (running Prefect server) | measured: median (min-max) over repeats, each pipeline "
+             "run against the bare run before it | met? |"), "|---|---|---|",
             *(f"| {g} | {m} | {ok} |" for g, m, ok in goals(res)), "",
             "| job | wall s, median (min-max) | - bare, s | / bare |", "|---|---|---|---|",
             f"| bare torchrun script | {fmt(res['walls']['bare'], 1)} | | 1.00 |"]
@@ -155,14 +155,14 @@ def table(res: dict) -> str:
         rows.append(f"| {labels[mode]} | {fmt(w, 1)} | {w['median'] - b:+.1f} | {w['median'] / b:.2f} |")
     fe = a.get("first_epochs")
     for mode, f in res.get("first_run_s", {}).items():
-        what = f" ({fe} epochs)" if fe and fe != a["epochs"] else ""
+        what = f" ({fe} epoch{'s' if fe > 1 else ''})" if fe and fe != a["epochs"] else ""
         rows.append(f"| first run in a fresh folder{what}, {mode} (creates mlflow.db and the prepared "
                     f"dataset) | {f:.1f} | | |")
     if res["walls"].get("floor"):
         f = res["walls"]["floor"]
         rows += [f"| empty Prefect flow + 1 task on the running server (the floor) | {fmt(f, 1)} | | |",
-                 f"| bare script + that floor (a Prefect-run launch that overlapped nothing) | "
-                 f"{b + f['median']:.1f} | {f['median']:+.1f} | {(b + f['median']) / b:.2f} |"]
+                 (f"| bare script + that floor (a Prefect-run launch that overlapped nothing) | "
+                  f"{b + f['median']:.1f} | {f['median']:+.1f} | {(b + f['median']) / b:.2f} |")]
     names = list(res["steps"]["server"][0])
     rows += ["", "Per-step seconds (median over repeats), measured inside the flow:", "",
              "| mode | " + " | ".join(names) + " | outside steps (process start, imports, API) |",

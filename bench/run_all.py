@@ -1,7 +1,7 @@
 """`make bench`: run the CPU benchmarks and write bench/RESULTS.md (tables + commands).
 
-    python -m bench.run_all            quick set, a few minutes on 2 cores
-    python -m bench.run_all --full     adds a long job to the overhead table
+    python -m bench.run_all            the quick set (sections 1-4)
+    python -m bench.run_all --full     adds 2b, the long job for the pipeline / bare ratio goal
     python -m bench.run_all --from-saved   rewrites RESULTS.md from the last run's figures
 """
 
@@ -19,17 +19,20 @@ GPU = (ROOT / "bench" / "RESULTS_GPU.md")
 GPU_JSON = (ROOT / "bench" / "RESULTS_GPU.json")  # ratios per GPU table, for the summary
 
 
-SECTIONS = [  # (title, command, module, its arguments, in --full only)
-    ("1. Training-loop throughput (ours vs bare script vs Lightning)",
-     "python -m bench.throughput --repeats 3", throughput, ["--repeats", "3"], False),
-    ("2. Orchestration overhead (whole pipeline vs bare script)",
-     "python -m bench.overhead --repeats 2", overhead, ["--repeats", "2"], False),
-    ("2b. Orchestration overhead on a longer job",
-     "python -m bench.overhead --repeats 1 --dataset synthetic --size 200000",
-     overhead, ["--repeats", "1", "--dataset", "synthetic", "--size", "200000"], True),
-    ("3. Tracking overhead (MLflow on vs off)", "python -m bench.tracking --repeats 4",
-     tracking, ["--repeats", "4"], False),
-    ("4. Data loading", "python -m bench.dataload --repeats 3", dataload, ["--repeats", "3"], False),
+# The long job (2b): mlp on synthetic data sized so that the bare script takes over a minute on
+# a 2-core host (bench/NOTES.md has the measurement); server mode only, 1-epoch warm-up run.
+LONG_JOB = ["--repeats", "2", "--dataset", "synthetic", "--size", "250000", "--modes", "server",
+            "--first-epochs", "1"]
+
+SECTIONS = [  # (key, title, module, its arguments, in --full only)
+    ("throughput", "1. Training-loop throughput (ours vs bare script vs Lightning)",
+     throughput, ["--repeats", "3"], False),
+    ("overhead", "2. Orchestration overhead, default job (whole pipeline vs bare script)",
+     overhead, ["--repeats", "2"], False),
+    ("overhead_long", "2b. Orchestration overhead on a long job (bare run >= 1 minute)",
+     overhead, LONG_JOB, True),
+    ("tracking", "3. Tracking overhead (MLflow on vs off)", tracking, ["--repeats", "4"], False),
+    ("dataload", "4. Data loading", dataload, ["--repeats", "3"], False),
 ]
 OUT = ROOT / "bench" / "out"
 
@@ -41,11 +44,11 @@ def main(argv=None) -> None:
                    help="rewrite RESULTS.md from the last run's bench/out/*.json (after editing NOTES.md)")
     a = p.parse_args(argv)
     sections, results = [], {}
-    for title, cmd, module, args, full_only in SECTIONS:
+    for key, title, module, args, full_only in SECTIONS:
         if full_only and not a.full:
             continue
-        name = module.__name__.split(".")[-1]
-        saved = OUT / f"{name}-{title.split('.')[0]}.json"
+        cmd = f"python -m {module.__name__} {' '.join(args)}"
+        saved = OUT / f"{key}.json"
         print(f"== {title}: {cmd}", flush=True)
         if a.from_saved:
             res = json.loads(saved.read_text())
@@ -53,7 +56,7 @@ def main(argv=None) -> None:
             res = module.main(args)
             OUT.mkdir(exist_ok=True)
             saved.write_text(json.dumps(res, indent=2, default=str))
-        results.setdefault(name, res)
+        results[key] = res
         text = module.table(res)
         print(text, flush=True)
         sections.append(f"## {title}\n\nCommand: `{cmd}`\n\n{text}\n")
@@ -77,10 +80,15 @@ def goals(r: dict) -> str:
                 met = "yes" if q["median"] >= goal else ("within noise" if q["max"] >= goal else "no")
                 rows.append(f"| ours / {other} >= {goal}, world {world} | {q['median']:.2f} "
                             f"({q['min']:.2f}-{q['max']:.2f}) | {met} |")
+    for goal, measured, met in overhead.goals(r["overhead"]):
+        rows.append(f"| {goal} | {measured} | {met} |")
+    if "overhead_long" in r:
+        for goal, measured, met in overhead.goals(r["overhead_long"]):
+            rows.append(f"| {goal} | {measured} | {met} |")
+    else:
+        rows.append(f"| pipeline / bare <= {overhead.RATIO_GOAL} (bare run >= {overhead.LONG_BARE_S:.0f} s, "
+                    "running server) | `make bench ARGS=--full` (section 2b) | not measured in this run |")
     w = r["overhead"]["walls"]
-    po = w["server"]["median"] / w["bare"]["median"]
-    rows.append(f"| pipeline / bare <= 1.3 (default job, running server) | {po:.2f} "
-                f"({w['server']['median']:.1f} s vs {w['bare']['median']:.1f} s) | {'yes' if po <= 1.3 else 'no'} |")
     if w.get("floor"):
         fl = (w["bare"]["median"] + w["floor"]["median"]) / w["bare"]["median"]
         rows.append(f"| (reference) bare + an empty Prefect flow run, / bare | {fl:.2f} | "
@@ -96,6 +104,9 @@ def goals(r: dict) -> str:
         for prec in ("fp32", "bf16"):
             q, pp = g[prec], g.get("paired", {}).get(prec)
             met = "yes" if q >= 0.98 else ("within noise" if pp and pp["max"] >= 0.98 else "no")
+            if "bare_loop" not in g:  # written before bench/bare_gpu.py: not the goal's comparison
+                met = ("not judged: against the old bare loop that copied every batch from the host; "
+                       "rerun `python -m bench.gpu --write`")
             spread = f" ({pp['min']:.2f}-{pp['max']:.2f})" if pp else ""
             note = f"; {g['note'][prec]}" if prec in g.get("note", {}) else ""
             rows.append(f"| GPU ours / bare >= 0.98, {prec}, {head} | {q:.2f}{spread} | {met}{note} |")

@@ -29,9 +29,9 @@ def one(tmp: Path, a, mode: str, uri: str, group: int) -> tuple[float, float]:
     from gpuflow.training.metrics import METRICS_FILE_ENV
 
     dataset = {"name": "synthetic", "sha256": "0" * 64, "num_samples": a.size}
-    with tracked_run(uri, "bench-tracking", f"on-{group}", {}, dataset, tmp / "runs") as run:
-        with run.relaying_metrics() as relay:
-            res, wall = run_worker(tmp, cfg, world=2, **{METRICS_FILE_ENV: str(run.metrics_file)})
+    with tracked_run(uri, "bench-tracking", f"on-{group}", {}, dataset, tmp / "runs") as run, \
+            run.relaying_metrics() as relay:
+        res, wall = run_worker(tmp, cfg, world=2, **{METRICS_FILE_ENV: str(run.metrics_file)})
     assert relay.logged == a.epochs, f"relayed {relay.logged} of {a.epochs} epochs"
     assert len(run.client.get_metric_history(run.run_id, "train_loss")) == a.epochs
     return res["train_time_s"], wall
@@ -66,16 +66,16 @@ def main(argv=None) -> dict:
 
 def table(res: dict) -> str:
     off, on, pp, a = res["off"], res["on"], res["paired"]["on"], res["args"]
-    rows = ["| training loop (train+eval+checkpoint+logging) | seconds, median (min-max) | "
-            "overhead, medians | overhead within each group, median (min-max) |", "|---|---|---|---|",
+    rows = [("| training loop (train+eval+checkpoint+logging) | seconds, median (min-max) | "
+             "overhead, medians | overhead within each group, median (min-max) |"), "|---|---|---|---|",
             f"| MLflow tracking off (no metrics file) | {fmt(off, 2)} | | |",
-            f"| on, the pipeline's way (metrics file, relayed by a thread in the flow's process) | "
-            f"{fmt(on, 2)} | {100 * (on['median'] - off['median']) / off['median']:+.1f}% | "
-            f"{pp['median']:+.1f}% ({pp['min']:+.1f}% to {pp['max']:+.1f}%) |",
-            "", "Whole worker process (torchrun start to exit), median s: "
-            f"off {res['wall_off']['median']:.2f}, on {res['wall_on']['median']:.2f}.",
-            "", f"Job: {a['model']} on {a['size']} synthetic samples, {a['epochs']} epochs, DDP 2 x gloo; "
-            f"{a['repeats']} groups, goal: under 1%."]
+            (f"| on, the pipeline's way (metrics file, relayed by a thread in the flow's process) | "
+             f"{fmt(on, 2)} | {100 * (on['median'] - off['median']) / off['median']:+.1f}% | "
+             f"{pp['median']:+.1f}% ({pp['min']:+.1f}% to {pp['max']:+.1f}%) |"),
+            "", ("Whole worker process (torchrun start to exit), median s: "
+                 f"off {res['wall_off']['median']:.2f}, on {res['wall_on']['median']:.2f}."),
+            "", (f"Job: {a['model']} on {a['size']} synthetic samples, {a['epochs']} epochs, DDP 2 x gloo; "
+                 f"{a['repeats']} groups, goal: under 1%.")]
     return "\n".join(rows)
 
 

@@ -21,6 +21,9 @@ import typing
 from pydantic import BaseModel, ValidationError
 
 from gpuflow.training.errors import UserError
+from gpuflow.training.lifetime import exit_on_sigterm
+
+from .api import prefect_api
 
 from .params import EvaluateParams, InferParams, PipelineParams, origin_is, user_fields
 
@@ -143,19 +146,6 @@ def print_report(report) -> None:
         con.print(f"[yellow]warning:[/] {w}")
 
 
-def exit_on_sigterm() -> None:
-    """Turn SIGTERM into SystemExit(143), so exit handlers run (the ephemeral API stops too).
-
-    Prefect's own SIGTERM handling ends the flow run first, then calls this handler.
-    """
-    import signal
-
-    def handler(signum, frame):
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, handler)
-
-
 def run(values: dict) -> dict:
     from .train import train_pipeline
 
@@ -187,11 +177,19 @@ def main(argv: list[str] | None = None) -> int:
             print(report.model_dump_json(indent=2)) if values["json"] else print_report(report)
             return 0
         model(**values)  # refuse bad values before Prefect or torch start
+        # Prefect ends the flow run on SIGTERM, then calls this handler: a normal exit (143)
         exit_on_sigterm()
-        out = {"run": run, "evaluate": evaluate, "infer": infer}[command](values)
+        if command == "infer":  # no flow: nothing to record in Prefect
+            out = infer(values)
+        else:
+            with prefect_api():
+                out = {"run": run, "evaluate": evaluate}[command](values)
     except (UserError, ValidationError) as e:
         print(f"gpuflow {command}: {one_line(e)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"gpuflow {command}: interrupted", file=sys.stderr)
+        return 130
     if out is not None:
         print(json.dumps(out, indent=2))
     return 0

@@ -67,17 +67,17 @@ def pipeline(params: PipelineParams) -> dict:
         report = probe_environment()
     with timer("assign"):
         plan = assign_devices(report, params, params.batch_size, params.precision)
-    with card_locks(plan):
+    with card_locks(plan) as locks:
         with timer("data"):  # only downloads can flake: retry those alone
             data = prepare_dataset.with_options(retries=2 if params.download else 0)(params.train_config(plan))
         with timer("preflight"):
             preflight(params.train_config(plan), params, data.num_classes, data.input_shape)
         if params.node_rank != 0:  # node 0 owns the MLflow run; the other nodes only train
-            return train_node(params, plan, data, timer)
+            return train_node(params, plan, data, timer, locks.fds)
         with tracking.tracked_run(params.tracking_uri or tracking.default_tracking_uri(), params.experiment,
                                   flow_run.get_name() or "train", run_tags(params, plan),
                                   data.model_dump(mode="json"), params.runs_dir) as run:
-            result = train(params, plan, data, report, run, timer)
+            result = train(params, plan, data, report, run, timer, locks.fds)
             with timer("log_results"):
                 version = log_results(run, result, params, data)
             summarize(params, plan, result, run, version)
@@ -89,7 +89,7 @@ def pipeline(params: PipelineParams) -> dict:
 
 
 def train(params: PipelineParams, plan: DevicePlan, data: DatasetInfo, report: EnvironmentReport,
-          run: tracking.TrackedRun, timer: StepTimer) -> dict:
+          run: tracking.TrackedRun, timer: StepTimer, cards: tuple[int, ...]) -> dict:
     """Write the worker's config, record it as the run's params, launch and relay its metrics."""
     config = params.train_config(plan, run.workdir, data.cache)
     run.log_params(params.run_params(config, plan))
@@ -97,15 +97,18 @@ def train(params: PipelineParams, plan: DevicePlan, data: DatasetInfo, report: E
     run.log_json(plan.model_dump(mode="json"), "device_plan.json", "environment")
     launch = launch_training.with_options(retries=params.launch_retries)
     with timer("launch"), run.relaying_metrics():
-        return launch(config.to_json(run.workdir / "config.json"), plan, params, run.workdir, run.metrics_file)
+        return launch(config.to_json(run.workdir / "config.json"), plan, params, run.workdir, run.metrics_file,
+                      hold_fds=cards)
 
 
-def train_node(params: PipelineParams, plan: DevicePlan, data: DatasetInfo, timer: StepTimer) -> dict:
+def train_node(params: PipelineParams, plan: DevicePlan, data: DatasetInfo, timer: StepTimer,
+               cards: tuple[int, ...]) -> dict:
     """A node other than 0 of a multi-node job: train in its own folder, log nothing."""
     workdir = Path(params.runs_dir).resolve() / f"node{params.node_rank}-{uuid.uuid4().hex[:8]}"
     config = params.train_config(plan, workdir, data.cache).to_json(workdir / "config.json")
     with timer("launch"):
-        result = launch_training.with_options(retries=params.launch_retries)(config, plan, params, workdir)
+        result = launch_training.with_options(retries=params.launch_retries)(config, plan, params, workdir,
+                                                                             hold_fds=cards)
     return {"node_rank": params.node_rank, "result": result, "timings": timer.seconds}
 
 

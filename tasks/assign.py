@@ -254,6 +254,11 @@ class CardLocks:
                 self.release()
                 raise AssignmentError(f"physical GPU {pid} was just taken by another gpuflow run; retry")
 
+    @property
+    def fds(self) -> tuple[int, ...]:
+        """The held locks' descriptors: a child given them holds the cards until it exits too."""
+        return tuple(self._fds)
+
     def release(self) -> None:
         for fd in self._fds:
             os.close(fd)  # closing the descriptor drops the flock

@@ -8,6 +8,7 @@ line by line (two reader threads: a full pipe can never block the child).
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import logging
 import os
@@ -24,6 +25,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from gpuflow.training.errors import UserError
+from gpuflow.training.lifetime import die_with_parent
 
 from .assign import DevicePlan
 
@@ -98,11 +100,17 @@ def _pump(stream, name: str, q: queue.Queue) -> None:
     q.put((name, None))
 
 
-def run_child(cmd: list[str], env: dict, cwd: Path, log: logging.Logger | logging.LoggerAdapter) -> tuple[int, list[str]]:
-    """Run cmd, forwarding each output line to `log` as it arrives; returns (code, last lines)."""
+def run_child(cmd: list[str], env: dict, cwd: Path, log: logging.Logger | logging.LoggerAdapter,
+              hold_fds: tuple[int, ...] = ()) -> tuple[int, list[str]]:
+    """Run cmd, forwarding each output line to `log` as it arrives; returns (code, last lines).
+
+    The child has a session of its own (a Ctrl-C reaches this process, which stops it in
+    order), dies with this process, and keeps `hold_fds` (card locks) open for as long as it lives.
+    """
     tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
     proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, bufsize=1, start_new_session=True)
+                            text=True, bufsize=1, start_new_session=True, pass_fds=hold_fds,
+                            preexec_fn=functools.partial(die_with_parent, signal.SIGTERM, os.getpid()))
     q: queue.Queue = queue.Queue()
     readers = [threading.Thread(target=_pump, args=(s, n, q), daemon=True)
                for s, n in ((proc.stdout, "stdout"), (proc.stderr, "stderr"))]
@@ -148,14 +156,14 @@ def child_environment(plan: DevicePlan, metrics_file: Path | None = None) -> dic
 
 
 def launch(config: Path, plan: DevicePlan, opts: LaunchRequest, workdir: Path, log,
-           metrics_file: Path | None = None) -> dict:
+           metrics_file: Path | None = None, hold_fds: tuple[int, ...] = ()) -> dict:
     """Run the worker for `config` with the plan's devices; its results JSON."""
     check_rendezvous(opts)
     result = workdir / "result.json"
     result.unlink(missing_ok=True)
     cmd = build_command(plan, opts, config, result, workdir / "logs")
     log.info("launching: %s", " ".join(cmd))
-    code, tail = run_child(cmd, child_environment(plan, metrics_file), workdir, log)
+    code, tail = run_child(cmd, child_environment(plan, metrics_file), workdir, log, hold_fds)
     if code != 0:
         raise TrainingFailed(f"training exited with code {code}; last output:\n" + "\n".join(tail[-15:]))
     if not result.is_file():
@@ -167,11 +175,11 @@ def launch(config: Path, plan: DevicePlan, opts: LaunchRequest, workdir: Path, l
 
 @task(name="launch-training", retries=0, cache_policy=NO_CACHE)
 def launch_training(config: Path, plan: DevicePlan, opts: LaunchRequest, workdir: Path,
-                    metrics_file: Path | None = None) -> dict:
+                    metrics_file: Path | None = None, hold_fds: tuple[int, ...] = ()) -> dict:
     """Run the worker with the plan's devices; stream its output; return its results JSON."""
     from prefect import get_run_logger
 
-    return launch(config, plan, opts, workdir, get_run_logger(), metrics_file)
+    return launch(config, plan, opts, workdir, get_run_logger(), metrics_file, hold_fds)
 
 
 def check_resume(cfg, num_classes: int, input_shape: list[int]) -> None:

@@ -13,6 +13,7 @@ import asyncio
 import concurrent.futures
 import json
 import os
+import signal
 import socket
 import sqlite3
 import subprocess
@@ -179,6 +180,20 @@ def status_for(exc: BaseException | None) -> str:
     return "KILLED" if isinstance(exc, stops) else "FAILED"
 
 
+def describe_stop(exc: BaseException) -> str:
+    """The run's `error` tag: what stopped it, in words a user recognises."""
+    from prefect.exceptions import TerminationSignal
+
+    if isinstance(exc, KeyboardInterrupt):
+        return "stopped by Ctrl-C (SIGINT) to the flow"
+    if isinstance(exc, TerminationSignal):
+        return (f"stopped by {signal.Signals(exc.signal).name} to the flow (a timeout, systemd, a "
+                "container stop, a cancellation)")
+    if isinstance(exc, SystemExit):
+        return f"stopped: the flow process exited with code {exc.code}"
+    return f"{type(exc).__name__}: {exc}"
+
+
 def end_run(client: MlflowClient, run_id: str, status: str, error: str | None = None) -> str:
     """End `run_id` with `status`; `error` goes to the run's `error` tag."""
     if error:
@@ -304,7 +319,7 @@ def tracked_run(uri: str, experiment: str, run_name: str, tags: dict, dataset: d
         workdir.mkdir(parents=True, exist_ok=True)
         yield TrackedRun(client, run.info.run_id, exp_id, workdir)
     except BaseException as e:
-        status, error = status_for(e), f"{type(e).__name__}: {e}"
+        status, error = status_for(e), describe_stop(e)
         raise
     finally:
         end_run(client, run.info.run_id, status, error)

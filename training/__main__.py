@@ -5,13 +5,15 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import signal
 import sys
 from pathlib import Path
 
 from pydantic import ValidationError
 
-from .errors import UserError
+from .errors import TrainingDiverged, UserError
 from .files import write_json_atomic
+from .lifetime import die_with_parent, exit_on_sigterm
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -72,11 +74,17 @@ def _train(cfg, metrics, config_path: str, result_path: str | None, freeze_impor
 def main(argv=None) -> int:
     args = parse_args(argv)
     rank = os.environ.get("RANK", "0")
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # under torchrun: never outlive the agent
+        die_with_parent(signal.SIGKILL)
+    exit_on_sigterm()
     try:
         run(args.config, args.result, freeze_imports=True)
     except (UserError, ValidationError) as e:
         print(f"[rank {rank}] error: {e}", file=sys.stderr, flush=True)
         return 2
+    except TrainingDiverged as e:
+        print(f"[rank {rank}] error: {e}", file=sys.stderr, flush=True)
+        return 3
     return 0
 
 

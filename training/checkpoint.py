@@ -7,6 +7,8 @@ into the plain model class. Files written by other tools with those prefixes loa
 
 from __future__ import annotations
 
+import fcntl
+import os
 import pickle
 import random
 import re
@@ -90,7 +92,7 @@ def load_file(path: str | Path, map_location="cpu") -> dict:
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
-        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        found = re.search(r"unsupported (?:global: )?GLOBAL (\S+)", str(e), re.IGNORECASE)
         if found:  # a class or function reference: unpickling it could run code
             raise CheckpointError(
                 f"refusing to load {str(path)!r}: it contains pickled Python objects, not only "
@@ -115,6 +117,7 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
+    """Restore every generator; the states must be CPU tensors (load the file with map_location='cpu')."""
     py = state["python"]
     random.setstate((py[0], tuple(py[1]), py[2]))
     np_s = state["numpy"]
@@ -129,6 +132,30 @@ class CheckpointStore:
 
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)
+        self._lock = None
+
+    def claim(self) -> None:
+        """Hold the folder for this worker's lifetime: a second worker given it is refused.
+
+        The kernel drops the lock when this process ends, however it ends; a torchrun restart's
+        new rank 0 can then take it. Temp files of a writer killed mid-save are removed here.
+        """
+        self.folder.mkdir(parents=True, exist_ok=True)
+        f = open(self.folder / ".lock", "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "unknown"
+            f.close()
+            raise CheckpointError(f"checkpoint_dir {str(self.folder)!r} is in use by another worker (pid "
+                                  f"{holder}); give each run its own folder, or wait for that one") from None
+        f.truncate(0)
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        self._lock = f
+        for tmp in self.folder.glob(".*.tmp"):
+            tmp.unlink(missing_ok=True)
 
     def path_for(self, epoch: int) -> Path:
         return self.folder / f"epoch-{epoch:04d}.pt"

@@ -97,13 +97,19 @@ class TrainConfig(BaseModel):
         if v.startswith("imagefolder:"):
             if not v.split(":", 1)[1]:
                 raise ValueError("dataset 'imagefolder:' needs a path, e.g. imagefolder:/data/pets")
-            return v
+            return "imagefolder:" + str(Path(v.split(":", 1)[1]).expanduser().resolve())
         if v not in BUILTIN_DATASETS:
             raise ValueError(
                 f"unknown dataset {v!r}; choose one of {', '.join(BUILTIN_DATASETS)} "
                 "or imagefolder:<path>"
             )
         return v
+
+    @field_validator("data_root", "resume")
+    @classmethod
+    def _absolute(cls, v: str) -> str:
+        """Paths mean what they meant where the user typed them: workers run in the run's folder."""
+        return v if v in ("auto", "never") else str(Path(v).expanduser().resolve())
 
     @field_validator("epochs", "batch_size")
     @classmethod

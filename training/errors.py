@@ -7,3 +7,7 @@ fix, as one line with exit code 2; anything else is a bug and keeps its tracebac
 
 class UserError(Exception):
     """Bad input: the message says which value is wrong and what to do instead."""
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss stopped being a finite number; the message names the epoch and what to try."""

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import random
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -18,6 +20,7 @@ from .checkpoint import CheckpointError, CheckpointStore, load_file, load_model_
 from .checkpoint import rng_state, set_rng_state, to_cpu, unwrap
 from .config import TrainConfig
 from .distributed import DistContext, LaunchError, all_reduce_sum
+from .errors import TrainingDiverged
 from .models import build_model
 from .metrics import MetricsFile
 
@@ -80,11 +83,16 @@ class Trainer:
         self.model = self._wrap(build_model(cfg.model, bundle.num_classes, bundle.input_shape))
         self.optimizer = self._make_optimizer()
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.precision == "fp16")
-        self.loss_fn = nn.CrossEntropyLoss()
+        self.loss_fn = nn.CrossEntropyLoss(reduction="none")  # per sample: padding is left out of metrics
         world = ctx.world_size
         self.train_loader, self.sampler = data_mod.train_loader(bundle.train, cfg, ctx.rank, world, self.pin)
+        # DistributedSampler pads the ranks to equal length by repeating samples, at the end
+        # of a rank's share: only the first `real_train` samples of this rank count in metrics.
+        self.real_train = len(range(ctx.rank, len(bundle.train), world))
         self.val_loader = data_mod.val_loader(bundle.val, cfg, ctx.rank, world, self.pin)
         self.store = CheckpointStore(cfg.checkpoint_dir)
+        if ctx.is_main:
+            self.store.claim()
         self.metrics = metrics or MetricsFile(ctx.is_main)
         self.fault = fault_hook(os.environ.get("GPUFLOW_FAULT"))
         self.epochs_run = 0
@@ -136,13 +144,24 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=DTYPES[self.cfg.precision])
 
     # --- checkpoints --------------------------------------------------------------------
+    def _resume_from(self) -> str | Path | None:
+        """The run's own newest checkpoint once it has one (a restart continues, whatever
+        `resume` says); before that, an explicit file, or nothing."""
+        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
+        if self.cfg.resume == "never" and not restarted:
+            return None
+        latest = self.store.latest()
+        if latest is not None or self.cfg.resume in ("auto", "never"):
+            return latest
+        return self.cfg.resume
+
     def _resume(self) -> None:
-        if self.cfg.resume == "never":
-            return
-        path = self.store.latest() if self.cfg.resume == "auto" else self.cfg.resume
+        path = self._resume_from()
         if path is None:
             return
-        payload = load_file(path, map_location=self.device)
+        # CPU whatever the device: the RNG states must be CPU tensors; load_state_dict copies
+        # the weights and optimizer state onto the model's device.
+        payload = load_file(path, map_location="cpu")
         try:
             load_model_state(self.model, payload["model"], source=f"checkpoint {str(path)!r}")
             self.optimizer.load_state_dict(payload["optimizer"])
@@ -173,16 +192,18 @@ class Trainer:
 
     # --- loop ---------------------------------------------------------------------------
     def _run_batch(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """One optimizer step; the per-sample losses, for the epoch's exact mean."""
         self.optimizer.zero_grad(set_to_none=True)
         with self._autocast():
-            loss = self.loss_fn(self.model(x), y)
+            losses = self.loss_fn(self.model(x), y)
+        loss = losses.mean()
         self.scaler.scale(loss).backward()
         if self.cfg.grad_clip:
             self.scaler.unscale_(self.optimizer)  # clip true gradients, not scaled ones
             nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         self.scaler.step(self.optimizer)
         self.scaler.update()
-        return loss.detach()
+        return losses.detach()
 
     def _batches(self, loader, desc: str):
         if self.ctx.is_main and sys.stderr.isatty():
@@ -202,13 +223,21 @@ class Trainer:
                 self.fault(self.ctx.rank, epoch + 1, step)
             x = x.to(self.device, non_blocking=self.pin)
             y = y.to(self.device, non_blocking=self.pin)
-            loss_sum += self._run_batch(x, y).double() * len(y)  # no .item(): no sync per step
-            count += len(y)
+            real = min(len(y), self.real_train - count)  # the sampler's padding is not counted
+            loss_sum += self._run_batch(x, y)[:real].double().sum()  # no .item(): no sync per step
+            count += real
             if self.cfg.max_steps_per_epoch and step >= self.cfg.max_steps_per_epoch:
                 break
         total, n = all_reduce_sum([loss_sum.item(), count], self.ctx)
         elapsed = time.perf_counter() - start
+        self._check_finite("train_loss", total / n, epoch + 1)
         return {"train_loss": total / n, "samples_per_s": n / elapsed, "epoch_time_s": elapsed}
+
+    def _check_finite(self, name: str, value: float, epoch: int) -> None:
+        """Once an epoch, on the all-reduced value: every rank stops together, nothing is saved."""
+        if not math.isfinite(value):
+            raise TrainingDiverged(f"{name} is {value} in epoch {epoch}; training diverged. Lower lr "
+                                   f"(now {self.cfg.lr}), set grad_clip, or use fp32")
 
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -226,6 +255,7 @@ class Trainer:
             correct += (out.argmax(1) == y).sum().double()
             count += len(y)
         total, right, n = all_reduce_sum([loss_sum.item(), correct.item(), count], self.ctx)
+        self._check_finite("val_loss", total / n, self.epochs_run + 1)
         return {"val_loss": total / n, "val_accuracy": right / n}
 
     def train(self) -> dict:

@@ -1,0 +1,39 @@
+"""How gpuflow's processes end: with their parent, and on SIGTERM as on any other exit.
+
+A child asks the kernel for a signal when its parent dies (Linux's PR_SET_PDEATHSIG), so a
+flow killed outright (SIGKILL, the OOM killer) takes its torchrun agent, the ranks and its
+temporary Prefect API with it. SIGTERM raises SystemExit, so `finally` blocks and exit
+handlers run: temp files are removed, process groups closed, runs ended.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(sig: int = signal.SIGTERM, parent: int | None = None) -> None:
+    """Have the kernel send `sig` to this process when its parent exits (Linux; else nothing).
+
+    `parent`: the pid the caller expects as parent; if it is already gone, `sig` comes now.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        return
+    if parent is not None and os.getppid() != parent:  # it died before the request took effect
+        os.kill(os.getpid(), sig)
+
+
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM into SystemExit(143): cleanup code and exit handlers run as on Ctrl-C."""
+
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
