@@ -115,8 +115,7 @@ def train_node(params: PipelineParams, plan: DevicePlan, data: DatasetInfo, time
 @task(name="log-results", cache_policy=NO_CACHE)
 def log_results(run: tracking.TrackedRun, result: dict, params: PipelineParams, data: DatasetInfo) -> str:
     """Log checkpoint, curves, worker logs and the registered model; returns the version."""
-    return tracking.log_results(run, result, params.model, params.registered_model,
-                                data.num_classes, data.input_shape)
+    return tracking.log_results(run, result, params.registered_model, data.num_classes, data.input_shape)
 
 
 def run_tags(params: PipelineParams, plan: DevicePlan) -> dict:

@@ -47,7 +47,8 @@ class EnvironmentReport(BaseModel):
     nccl_version: str | None = None
     torch_version: str | None = None
     torch_device_count: int | None = None
-    backends: dict[str, bool] = Field({}, description="torch.distributed backends")
+    backends: dict[str, bool] = Field({}, description="torch.distributed backends; empty when the flow "
+                                      "probed a host without GPUs (torch not imported there)")
     bf16_supported: bool = True
     cuda_visible_devices: str | None = None
     cuda_device_order: str | None = None
@@ -182,6 +183,17 @@ def torch_view_no_gpu() -> dict:
                          "mpi": dist.is_mpi_available()}}
 
 
+def torch_view_metadata() -> dict:
+    """torch's version from its package metadata, without importing it: for the flow on a host
+    without GPUs, where nothing else needs torch. Backends and the CUDA build are not read."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return {"torch_version": version("torch"), "torch_device_count": 0, "bf16": True}
+    except PackageNotFoundError:
+        return {"error": ["torch is not installed in this environment"]}
+
+
 def torch_view(timeout: float = 120) -> dict:
     """torch's own view, taken in a child process so the parent never initialises CUDA."""
     proc = subprocess.run([sys.executable, "-c", TORCH_PROBE], capture_output=True, text=True,
@@ -191,10 +203,11 @@ def torch_view(timeout: float = 120) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def read_environment(nvml=None, with_torch: bool = True) -> EnvironmentReport:
+def read_environment(nvml=None, with_torch: bool = True, import_torch: bool = True) -> EnvironmentReport:
     """Probe this host. Never raises for a missing GPU or NVML: that is a CPU-only report.
 
-    with_torch=False leaves torch's versions and backends out.
+    with_torch=False leaves torch out; import_torch=False, on a host without GPUs, reads only
+    torch's version, from its package metadata.
     """
     warnings: list[str] = []
     gpus, driver, source, cuda_driver = [], None, "none", None
@@ -210,7 +223,8 @@ def read_environment(nvml=None, with_torch: bool = True) -> EnvironmentReport:
                 warnings.append(f"no GPU information: NVML: {e}; nvidia-smi: {e2}")
     # With GPUs, torch's view (device count, NCCL, bf16) needs the CUDA runtime: ask a child.
     # Without them nothing can initialise CUDA, and torch is read in this process.
-    tv = (torch_view() if gpus else torch_view_no_gpu()) if with_torch else {}
+    no_gpu_view = torch_view_no_gpu if import_torch else torch_view_metadata
+    tv = (torch_view() if gpus else no_gpu_view()) if with_torch else {}
     if "error" in tv:
         warnings.append(f"torch probe failed: {tv['error']}")
     report = EnvironmentReport(
@@ -237,5 +251,8 @@ def read_environment(nvml=None, with_torch: bool = True) -> EnvironmentReport:
 
 @task(name="probe-environment")
 def probe_environment() -> EnvironmentReport:
-    """Report GPUs, versions and backends of this host without initialising CUDA."""
-    return read_environment()
+    """Report GPUs, versions and backends of this host without initialising CUDA.
+
+    Without GPUs torch is not imported: nothing in the plan depends on its backends.
+    """
+    return read_environment(import_torch=False)

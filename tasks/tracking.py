@@ -367,31 +367,34 @@ def plot_history(history: list[dict], out: Path) -> Path:
     return out
 
 
-def register_model(run: TrackedRun, checkpoint: str, model_name: str, registered_name: str,
-                   num_classes: int, input_shape: list[int]) -> str:
-    """Log the de-prefixed checkpoint's model and register it; idempotent per run."""
+def register_model(run: TrackedRun, checkpoint: str, registered_name: str, num_classes: int,
+                   input_shape: list[int]) -> str:
+    """Log the checkpoint as a pyfunc model from code (tasks/registered_model.py) and register
+    it; idempotent per run. Needs no torch here: the model is built only where it is loaded."""
     from importlib.metadata import version
 
-    import mlflow.pytorch
-    import torch
-
-    from gpuflow.training.checkpoint import load_file, load_model_state
-    from gpuflow.training.models import build_model
+    import numpy as np
+    from mlflow.models.signature import ModelSignature
+    from mlflow.types.schema import Schema, TensorSpec
 
     existing = run.client.search_model_versions(f"name='{registered_name}' and run_id='{run.run_id}'")
     if existing:  # a retried task must not create a second version
         return existing[0].version
-    model = build_model(model_name, num_classes, tuple(input_shape))
-    load_model_state(model, load_file(checkpoint)["model"], source=checkpoint)
-    reqs = [f"torch=={torch.__version__.split('+')[0]}",
-            f"torchvision=={version('torchvision').split('+')[0]}"]
-    info = mlflow.pytorch.log_model(model.eval(), name="model", registered_model_name=registered_name,
-                                    serialization_format="pickle", pip_requirements=reqs, run_id=run.run_id)
+    active = mlflow.active_run()
+    if active is None or active.info.run_id != run.run_id:
+        raise RuntimeError(f"register_model must run in the thread that owns run {run.run_id}")
+    signature = ModelSignature(inputs=Schema([TensorSpec(np.dtype(np.float32), (-1, *input_shape))]),
+                               outputs=Schema([TensorSpec(np.dtype(np.float32), (-1, num_classes))]))
+    reqs = [f"{pkg}=={version(pkg).split('+')[0]}" for pkg in ("torch", "torchvision", "mlflow", "numpy")]
+    info = mlflow.pyfunc.log_model(
+        name="model", python_model=str(Path(__file__).with_name("registered_model.py")),
+        artifacts={"checkpoint": checkpoint}, signature=signature, pip_requirements=reqs,
+        registered_model_name=registered_name)
     return str(info.registered_model_version)
 
 
-def log_results(run: TrackedRun, result: dict, model_name: str, registered_name: str,
-                num_classes: int, input_shape: list[int]) -> str:
+def log_results(run: TrackedRun, result: dict, registered_name: str, num_classes: int,
+                input_shape: list[int]) -> str:
     """Log checkpoint, curves, worker logs and the registered model; returns the version."""
     client, run_id, workdir = run.client, run.run_id, run.workdir
     client.set_tag(run_id, "torchrun_restarts", str(result.get("restarts", 0)))
@@ -403,4 +406,4 @@ def log_results(run: TrackedRun, result: dict, model_name: str, registered_name:
     if (workdir / "logs").is_dir():
         client.log_artifacts(run_id, str(workdir / "logs"), "worker-logs")
     client.log_artifact(run_id, str(workdir / "config.json"), "training")
-    return register_model(run, result["checkpoint"], model_name, registered_name, num_classes, input_shape)
+    return register_model(run, result["checkpoint"], registered_name, num_classes, input_shape)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from gpuflow.tasks.data import describe_dataset
 from tests.helpers import ROOT, result, run_worker
 from tests.test_training_core import _write_idx
 from gpuflow.training import TrainConfig
+from gpuflow.training import datacache
 from gpuflow.training.data import DatasetError, load_data
 
 DESCRIBE = """
@@ -89,3 +91,26 @@ def test_a_truncated_prepared_file_is_rebuilt_and_an_unreadable_one_names_the_fi
     Path(info.cache).write_bytes(b"not a torch file")
     with pytest.raises(DatasetError, match="Delete it"):
         load_data(TrainConfig(data_cache=info.cache))
+
+
+def test_a_prepared_file_corrupted_in_place_is_rebuilt_from_the_source(tmp_path):
+    cfg = TrainConfig(data_root=str(tmp_path))
+    info = describe_dataset(cfg)
+    cache = Path(info.cache)
+    good = cache.read_bytes()
+    meta = json.loads(cache.with_suffix(".json").read_text())
+    assert meta["file_sha256"] == hashlib.sha256(good).hexdigest()  # the file's bytes...
+    assert meta["sha256"] == info.sha256 == load_data(cfg).fingerprint["sha256"]  # ...and the data's
+    # flip 64 bytes in the middle (the pixels), keeping the size: torch still reads it, wrongly
+    bad = bytearray(good)
+    mid = len(bad) // 2
+    bad[mid:mid + 64] = bytes(b ^ 0xFF for b in bad[mid:mid + 64])
+    cache.write_bytes(bytes(bad))
+    assert cache.stat().st_size == len(good)
+    x_bad = datacache.load(str(cache))[0]  # silent bit rot: no error, other pixels
+    again = describe_dataset(cfg)
+    assert not again.reused and again.cache == info.cache and again.sha256 == info.sha256
+    fresh = describe_dataset(TrainConfig(data_root=str(tmp_path / "fresh")))
+    assert cache.read_bytes() == Path(fresh.cache).read_bytes() == good  # a fresh build, byte for byte
+    assert not torch.equal(x_bad, datacache.load(str(cache))[0])
+    assert describe_dataset(cfg).reused

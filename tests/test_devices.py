@@ -275,3 +275,14 @@ def test_gpuflow_run_refuses_bad_values_before_starting_anything():
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "names GPU 1 twice" in proc.stderr
     assert "Starting temporary server" not in proc.stderr + proc.stdout
+
+
+def test_flow_probe_without_gpus_leaves_torch_unimported():
+    import torch
+
+    code = ("import sys; from gpuflow.tasks.probe import read_environment; "
+            "r = read_environment(import_torch=False); print(r.torch_version, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=ROOT, check=True).stdout.split()
+    if not read_environment(with_torch=False).gpus:  # with GPUs torch's view comes from a child
+        assert out == [torch.__version__.split("+")[0], "False"]

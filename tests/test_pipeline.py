@@ -93,11 +93,20 @@ def test_logged_checkpoint_loads_into_plain_mlp_and_reproduces_val_accuracy(ddp_
     assert logged > 0.85
 
 
-def test_registered_model_loads_back(ddp_run):
+def test_registered_model_loads_as_pyfunc_and_predicts_what_the_checkpoint_does(ddp_run, tmp_path):
     out, store = ddp_run
-    _client(store)
-    model = mlflow.pytorch.load_model(f"models:/gpuflow-model/{out['model_version']}")
-    assert isinstance(model, SimpleNN)
+    client = _client(store)
+    model = mlflow.pyfunc.load_model(f"models:/gpuflow-model/{out['model_version']}")
+    assert isinstance(model.unwrap_python_model().model, SimpleNN)
+    val = load_data(PipelineParams(**FAST).train_config()).val
+    scores = model.predict(val.x[:32].numpy())
+    path = client.download_artifacts(out["run_id"], "checkpoints/epoch-0002.pt", str(tmp_path))
+    plain = SimpleNN()
+    plain.load_state_dict(load_file(path)["model"], strict=True)
+    with torch.no_grad():
+        assert (scores.argmax(1) == plain(val.x[:32]).argmax(1).numpy()).all()
+    sig = model.metadata.signature
+    assert sig.inputs.inputs[0].shape == (-1, 1, 28, 28) and sig.outputs.inputs[0].shape == (-1, 10)
 
 
 def test_no_environment_secret_reaches_mlflow(ddp_run, tmp_path):

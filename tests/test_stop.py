@@ -5,7 +5,6 @@ the last checkpoint intact and no temp file; a killed flow takes its children wi
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sqlite3

@@ -6,12 +6,15 @@
 `key` hashes the source's signature: the library version and the size and mtime of every
 source file (scikit-learn's digits file, or the files under the torchvision folder). Editing,
 replacing or re-downloading the source changes the key, so a stale file is never read.
+The description also records the sha256 of the prepared file's bytes (`file_sha256`); a file
+whose bytes no longer match (a flipped bit, an edit, a half-copied folder) counts as missing
+and is rebuilt. `sha256` stays the fingerprint of the data itself (training/data.py).
 
 Why: every worker otherwise imports scikit-learn (~1.2 s) or torchvision and decodes the
 source again, and the flow does it too to fingerprint the data, on every run. With the file
-prepared, the flow's data step on a later run is a few stat calls and a JSON read (no torch,
-no scikit-learn), and each worker loads one tensor file. Nothing here imports torch at
-module level: the flow uses `lookup` before torch is loaded.
+prepared, the flow's data step on a later run is a few stat calls, a JSON read and one sha256
+of the file (no torch, no scikit-learn), and each worker loads one tensor file. Nothing here
+imports torch at module level: the flow uses `lookup` before torch is loaded.
 """
 
 from __future__ import annotations
@@ -61,6 +64,12 @@ def source_signature(dataset: str, data_root: str) -> dict | None:
     return None
 
 
+def file_sha256(path: Path) -> str:
+    """sha256 of a file's bytes (read in chunks)."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
 def paths(dataset: str, data_root: str, signature: dict) -> tuple[Path, Path]:
     key = hashlib.sha256(json.dumps([FORMAT, signature], sort_keys=True).encode()).hexdigest()[:16]
     base = Path(data_root).expanduser().resolve() / CACHE_DIR / f"{dataset}-{key}"
@@ -68,7 +77,8 @@ def paths(dataset: str, data_root: str, signature: dict) -> tuple[Path, Path]:
 
 
 def lookup(dataset: str, data_root: str) -> tuple[Path, dict] | None:
-    """The prepared file and its description, when one matches the source as it is now."""
+    """The prepared file and its description, when one matches the source as it is now and
+    its bytes are those recorded when it was written."""
     if dataset not in CACHED:
         return None
     sig = source_signature(dataset, data_root)
@@ -77,7 +87,8 @@ def lookup(dataset: str, data_root: str) -> tuple[Path, dict] | None:
     pt, meta_path = paths(dataset, data_root, sig)
     try:
         meta = json.loads(meta_path.read_text())
-        if meta.get("format") == FORMAT and meta.get("signature") == sig and pt.stat().st_size == meta["file_size"]:
+        if (meta.get("format") == FORMAT and meta.get("signature") == sig
+                and pt.stat().st_size == meta["file_size"] and file_sha256(pt) == meta["file_sha256"]):
             return pt, meta
     except (OSError, ValueError, KeyError, TypeError):
         pass
@@ -98,9 +109,17 @@ def store(dataset: str, data_root: str, x, y, num_classes: int, fingerprint: dic
     pt, meta_path = paths(dataset, data_root, sig)
     try:
         pt.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(pt, lambda tmp: torch.save({"x": x.contiguous(), "y": y.contiguous(),
-                                                  "num_classes": int(num_classes)}, tmp))
-        meta = {"format": FORMAT, "signature": sig, "file_size": pt.stat().st_size,
+        digest = {}
+
+        def write(tmp: Path) -> None:
+            # Through a file object: the archive's inner name is then fixed ("archive"), not the
+            # random temp name, so the same data always gives the same bytes (and file_sha256).
+            with open(tmp, "wb") as f:
+                torch.save({"x": x.contiguous(), "y": y.contiguous(), "num_classes": int(num_classes)}, f)
+            digest["sha256"], digest["size"] = file_sha256(tmp), tmp.stat().st_size
+
+        atomic_write(pt, write)
+        meta = {"format": FORMAT, "signature": sig, "file_size": digest["size"], "file_sha256": digest["sha256"],
                 "num_samples": int(len(y)), "num_classes": int(num_classes),
                 "native_shape": [int(d) for d in x.shape[1:]], "dtype": str(x.dtype).removeprefix("torch."),
                 "sha256": fingerprint["sha256"]}

@@ -186,6 +186,7 @@ class Trainer:
             "rng": rng_state(),
             "config": self.cfg.to_dict(),
             "num_classes": self.bundle.num_classes,
+            "input_shape": list(self.bundle.input_shape),
             "history": self.history,
         }
         self.last_checkpoint = str(self.store.save(payload, self.epochs_run))
