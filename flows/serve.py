@@ -13,6 +13,7 @@ scheduled retrain and a manual run never train at once: the second waits for the
 from __future__ import annotations
 
 import os
+import signal
 import socket
 
 from prefect import serve
@@ -57,6 +58,25 @@ def ensure_device_limit(limit: int = 1) -> str:
     return name
 
 
-if __name__ == "__main__":
+def interrupt_on_ctrl_c() -> None:
+    """Ctrl-C raises KeyboardInterrupt wherever the serving loop is, and serve() shuts down.
+
+    Under asyncio.run's own SIGINT handling the first Ctrl-C only cancels the runner's main
+    task, and the serve process did not return; a handler of our own keeps asyncio from
+    installing that one.
+    """
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, handler)
+
+
+def main() -> None:
     ensure_device_limit()
+    interrupt_on_ctrl_c()
     serve(*deployments())
+
+
+if __name__ == "__main__":
+    main()

@@ -270,7 +270,7 @@ def test_a_retrain_whose_challenger_diverges_fails_and_leaves_the_champion(prefe
     client = _client(store)
     champion = client.get_model_version_by_alias("gpuflow-model", "champion")
     assert str(champion.version) == first["retrain.challenger_version"] == "1"
-    assert [v.version for v in client.search_model_versions("name='gpuflow-model'")] == ["1"]
+    assert [str(v.version) for v in client.search_model_versions("name='gpuflow-model'")] == ["1"]
     runs = client.search_runs([client.get_experiment_by_name("gpuflow").experiment_id], order_by=["start_time"])
     assert [r.info.status for r in runs] == ["FINISHED", "FAILED"]
     _diverged_epoch(runs[1].data.tags["error"])

@@ -1,0 +1,148 @@
+"""`make server` + `make serve` as a user runs them, on loopback with an isolated PREFECT_HOME:
+a deployment run from the CLI, listings, the nightly retrain fired by the server's own
+scheduler, a cancel from the UI (the API the UI calls), and Ctrl-C to `make serve`."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import mlflow
+import psutil
+import pytest
+
+from tests.servers import BIN, ServerProcess, prefect_server
+
+HANG_GUARD_S = 120
+
+
+def _prefect(args: list[str], env: dict, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "prefect"), *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _api(api: str, path: str, body: dict | None = None):
+    req = urllib.request.Request(api + path, data=None if body is None else json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"}, method="GET" if body is None else "POST")
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())
+
+
+def _flow_runs(api: str, deployment: str) -> list[dict]:
+    dep = _api(api, f"/deployments/name/{deployment}")
+    return [r for r in _api(api, "/flow_runs/filter", {}) if r["deployment_id"] == dep["id"]]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """A Prefect server (scheduler on) and `python -m gpuflow.flows.serve` with the nightly
+    retrain's cron set to fire once, two minutes from now."""
+    base = tmp_path_factory.mktemp("served")
+    home = base / "prefect-home"
+    home.mkdir()
+    fire = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(minutes=2)
+    server_env = dict(os.environ, PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS="5")
+    server, api = prefect_server(home, server_env)
+    env = dict(os.environ, PREFECT_API_URL=api, PREFECT_HOME=str(home), OMP_NUM_THREADS="1",
+               MLFLOW_TRACKING_URI=f"sqlite:///{base / 'mlflow.db'}",
+               GPUFLOW_RETRAIN_CRON=f"{fire.minute} {fire.hour} * * *", GPUFLOW_TIMEZONE="UTC")
+    with server:
+        serve_cmd = [sys.executable, "-m", "gpuflow.flows.serve"]
+        with ServerProcess(serve_cmd, api + "/health", env, base / "serve.log", cwd=base) as serving:
+            deadline = time.monotonic() + 120
+            while _prefect(["deployment", "inspect", "retrain/nightly"], env).returncode != 0:
+                assert time.monotonic() < deadline, (base / "serve.log").read_text()[-3000:]
+                time.sleep(2)
+            yield {"api": api, "env": env, "base": base, "db": base / "mlflow.db", "serving": serving,
+                   "fire": fire}
+
+
+def _client(served) -> mlflow.MlflowClient:
+    return mlflow.MlflowClient(f"sqlite:///{served['db']}")
+
+
+def test_served_ddp_deployment_runs_from_the_cli_and_logs_to_mlflow(served):
+    """`prefect deployment run 'train-pipeline/ddp' --watch`, then the listings a user types."""
+    env, base = served["env"], served["base"]
+    run = _prefect(["deployment", "run", "train-pipeline/ddp", "-p", "epochs=2", "-p", "gpus=cpu",
+                    "-p", "experiment=served", "--watch"], env, timeout=400)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:] + (base / "serve.log").read_text()[-3000:]
+    listings = [_prefect([kind, "ls"], env) for kind in ("deployment", "flow-run")]
+    for ls in listings:  # the first commands a user types (422 with fastapi >= 0.151)
+        assert ls.returncode == 0, ls.stdout[-2000:] + ls.stderr[-2000:]
+    assert "train-pipeline/ddp" in listings[0].stdout.replace("\n", "")
+    limit = _prefect(["global-concurrency-limit", "inspect", f"gpuflow-devices-{os.uname().nodename}"], env)
+    assert limit.returncode == 0 and "limit=1" in limit.stdout, limit.stdout
+    client = _client(served)
+    runs = client.search_runs([client.get_experiment_by_name("served").experiment_id])
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    assert runs[0].data.tags["prefect.deployment"] == "ddp" and runs[0].data.tags["world_size"] == "2"
+    assert len(client.get_metric_history(runs[0].info.run_id, "val_accuracy")) == 2
+    assert client.search_model_versions(f"run_id='{runs[0].info.run_id}'")
+
+
+def test_cancelling_a_served_run_stops_its_ranks_and_ends_its_run_killed(served):
+    env, api, db = served["env"], served["api"], served["db"]
+    run = _prefect(["deployment", "run", "train-pipeline/ddp", "-p", "epochs=50", "-p", "gpus=cpu",
+                    "-p", "dataset=synthetic", "-p", "synthetic_size=60000", "-p", "experiment=cancelled"], env)
+    assert run.returncode == 0, run.stdout + run.stderr
+    flow_run_id = next(line.split()[-1] for line in run.stdout.splitlines() if "UUID" in line)
+    deadline = time.monotonic() + 300
+    while True:  # training has started: its first epoch is in MLflow
+        try:
+            with sqlite3.connect(db, timeout=5) as c:
+                if c.execute("select 1 from metrics m join runs r on m.run_uuid = r.run_uuid join tags t on "
+                             "t.run_uuid = r.run_uuid where m.key='train_loss' and t.key='prefect.flow_run_id' "
+                             "and t.value=?", (flow_run_id,)).fetchone():
+                    break
+        except sqlite3.OperationalError:
+            pass
+        assert time.monotonic() < deadline, (served["base"] / "serve.log").read_text()[-3000:]
+        time.sleep(1)
+    launched = [p for p in psutil.process_iter(["cmdline"]) if "gpuflow.training" in (p.info["cmdline"] or [])
+                and str(served["base"]) in " ".join(p.info["cmdline"])]
+    assert len(launched) == 3  # torchrun's agent and two ranks
+    cancel = _prefect(["flow-run", "cancel", flow_run_id], env)
+    assert cancel.returncode == 0, cancel.stdout + cancel.stderr
+    deadline = time.monotonic() + HANG_GUARD_S
+    while _api(api, f"/flow_runs/{flow_run_id}")["state_type"] != "CANCELLED":
+        assert time.monotonic() < deadline, _api(api, f"/flow_runs/{flow_run_id}")["state"]
+        time.sleep(1)
+    _, alive = psutil.wait_procs(launched, timeout=60)
+    assert not alive
+    client = _client(served)
+    (mine,) = client.search_runs([client.get_experiment_by_name("cancelled").experiment_id])
+    assert mine.info.status == "KILLED" and "stopped by SIGTERM" in mine.data.tags["error"]
+
+
+def test_the_nightly_retrain_is_fired_by_the_servers_scheduler_and_leaves_its_mlflow_run(served):
+    api = served["api"]
+    wait = (served["fire"] - datetime.datetime.now(datetime.timezone.utc)).total_seconds()
+    deadline = time.monotonic() + max(0.0, wait) + 300
+    while True:
+        runs = [r for r in _flow_runs(api, "retrain/nightly") if r["auto_scheduled"]]
+        done = [r for r in runs if r["state_type"] in ("COMPLETED", "FAILED", "CRASHED")]
+        if done:
+            break
+        assert time.monotonic() < deadline, (runs, (served["base"] / "serve.log").read_text()[-3000:])
+        time.sleep(3)
+    assert [r["state_type"] for r in done] == ["COMPLETED"], (served["base"] / "serve.log").read_text()[-3000:]
+    client = _client(served)
+    trained = client.search_runs([client.get_experiment_by_name("gpuflow").experiment_id])
+    assert [r.info.status for r in trained] == ["FINISHED"]
+    assert trained[0].data.tags["retrain.decision"] == "promoted"
+    assert client.get_model_version_by_alias("gpuflow-model", "champion")
+
+
+def test_ctrl_c_stops_make_serve_promptly(served):
+    proc = served["serving"].proc
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal sends to the foreground job
+    assert proc.wait(HANG_GUARD_S) is not None
+    assert "shutting down" in Path(served["base"] / "serve.log").read_text()
