@@ -1,6 +1,6 @@
 """`make bench`: run the CPU benchmarks and write bench/RESULTS.md (tables + commands).
 
-    python -m bench.run_all            the quick set (sections 1-4)
+    python -m bench.run_all            the quick set (sections 1-4 and 6)
     python -m bench.run_all --full     adds 2b, the long job for the pipeline / bare ratio goal
     python -m bench.run_all --from-saved   rewrites RESULTS.md from the last run's figures
 """
@@ -11,7 +11,7 @@ import argparse
 import datetime
 import json
 
-from bench import dataload, overhead, throughput, tracking
+from bench import dataload, overhead, stop, throughput, tracking
 from bench.common import ROOT, machine
 
 NOTES = (ROOT / "bench" / "NOTES.md")
@@ -33,6 +33,7 @@ SECTIONS = [  # (key, title, module, its arguments, in --full only)
      overhead, LONG_JOB, True),
     ("tracking", "3. Tracking overhead (MLflow on vs off)", tracking, ["--repeats", "4"], False),
     ("dataload", "4. Data loading", dataload, ["--repeats", "3"], False),
+    ("stop", "6. Stopping a running pipeline (Ctrl-C, SIGTERM, kill -9)", stop, ["--repeats", "1"], False),
 ]
 OUT = ROOT / "bench" / "out"
 
@@ -99,6 +100,11 @@ def goals(r: dict) -> str:
     met = "yes" if to < 1 else ("within noise" if pp["min"] < 1 else "no")
     spread = f" (groups {pp['min']:+.1f}% to {pp['max']:+.1f}%)"
     rows.append(f"| tracking overhead < 1% of the training loop (the pipeline's way) | {to:+.1f}%{spread} | {met} |")
+    if "stop" in r:
+        for name, runs in r["stop"].items():
+            worst = max(x["all_gone_s"] for x in runs)
+            rows.append(f"| {name}: every process of the run gone <= {stop.GOAL_S:.0f} s | {worst:.1f} s | "
+                        f"{'yes' if worst <= stop.GOAL_S else 'no'} |")
     gpu = json.loads(GPU_JSON.read_text()) if GPU_JSON.is_file() else {}
     for head, g in gpu.items():
         for prec in ("fp32", "bf16"):
