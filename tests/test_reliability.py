@@ -301,3 +301,12 @@ def test_train_loss_counts_every_training_sample_exactly_once_whatever_the_world
         losses[world] = res["final_metrics"]["train_loss"]
         assert losses[world] == pytest.approx(reference, rel=1e-6, abs=0), world
     assert losses[1] == pytest.approx(losses[2], rel=1e-6, abs=0)
+
+
+def test_a_prefect_retry_of_a_resume_never_run_continues_the_run(prefect_api, store, monkeypatch, tmp_path):
+    monkeypatch.setenv("GPUFLOW_FAULT", f"rank=0,epoch=2,step=1,once={tmp_path / 'fired'}")
+    out = train_pipeline(**FLOW, epochs=3, resume="never", strategy="single", launch_retries=1, **store)
+    monkeypatch.delenv("GPUFLOW_FAULT")
+    assert (tmp_path / "fired").exists()
+    assert out["resumed_from"] == str(_run_dir(store, out["run_id"]) / "checkpoints" / "epoch-0001.pt")
+    assert _steps(_client(store), out["run_id"]) == [1, 2, 3]
