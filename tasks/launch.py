@@ -60,13 +60,14 @@ def port_in_use(host: str, port: int) -> bool:
     return False
 
 
-def build_command(plan: DevicePlan, opts: LaunchRequest, config: Path, result: Path,
-                  log_dir: Path) -> list[str]:
+def build_command(plan: DevicePlan, opts: LaunchRequest, config: Path, result: Path) -> list[str]:
     worker = ["-m", "gpuflow.training", "--config", str(config), "--result", str(result)]
     if plan.strategy != "ddp":
         return [sys.executable, *worker]
+    # No --tee/--log-dir: their log-tailing threads kept a signalled torchrun from exiting.
+    # The ranks' output reaches this process through torchrun's own stdout and stderr.
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={plan.nproc_per_node}",
-           f"--max-restarts={opts.max_restarts}", "--tee=3", f"--log-dir={log_dir}", "--role=rank"]
+           f"--max-restarts={opts.max_restarts}", "--role=rank"]
     if opts.nnodes == 1 and not opts.rdzv_endpoint:
         cmd += ["--standalone",  # c10d on a free localhost port: parallel runs never collide
                 f"--rdzv-conf=join_timeout={opts.rdzv_timeout_s}"]
@@ -101,16 +102,21 @@ def _pump(stream, name: str, q: queue.Queue) -> None:
 
 
 def run_child(cmd: list[str], env: dict, cwd: Path, log: logging.Logger | logging.LoggerAdapter,
-              hold_fds: tuple[int, ...] = ()) -> tuple[int, list[str]]:
-    """Run cmd, forwarding each output line to `log` as it arrives; returns (code, last lines).
+              hold_fds: tuple[int, ...] = (), log_file: Path | None = None) -> tuple[int, list[str]]:
+    """Run cmd, forwarding each output line to `log` (and `log_file`) as it arrives; returns
+    (code, last lines).
 
     The child has a session of its own (a Ctrl-C reaches this process, which stops it in
-    order), dies with this process, and keeps `hold_fds` (card locks) open for as long as it lives.
+    order), is killed if this process dies, and keeps `hold_fds` (card locks) open for as long
+    as it lives.
     """
     tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
     proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, bufsize=1, start_new_session=True, pass_fds=hold_fds,
-                            preexec_fn=functools.partial(die_with_parent, signal.SIGTERM, os.getpid()))
+                            preexec_fn=functools.partial(die_with_parent, signal.SIGKILL, os.getpid()))
+    if log_file is not None:
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+    out = open(log_file, "a") if log_file is not None else None
     q: queue.Queue = queue.Queue()
     readers = [threading.Thread(target=_pump, args=(s, n, q), daemon=True)
                for s, n in ((proc.stdout, "stdout"), (proc.stderr, "stderr"))]
@@ -125,10 +131,14 @@ def run_child(cmd: list[str], env: dict, cwd: Path, log: logging.Logger | loggin
                 continue
             tail.append(line)
             (log.warning if name == "stderr" and "error" in line.lower() else log.info)(line)
+            if out is not None:
+                out.write(line + "\n")
         return proc.wait(), list(tail)
     finally:
         if proc.poll() is None:  # we are being cancelled or failed: take the whole group down
             _terminate(proc)
+        if out is not None:
+            out.close()
 
 
 def _terminate(proc: subprocess.Popen, grace: float = 10.0) -> None:
@@ -161,9 +171,10 @@ def launch(config: Path, plan: DevicePlan, opts: LaunchRequest, workdir: Path, l
     check_rendezvous(opts)
     result = workdir / "result.json"
     result.unlink(missing_ok=True)
-    cmd = build_command(plan, opts, config, result, workdir / "logs")
+    cmd = build_command(plan, opts, config, result)
     log.info("launching: %s", " ".join(cmd))
-    code, tail = run_child(cmd, child_environment(plan, metrics_file), workdir, log, hold_fds)
+    code, tail = run_child(cmd, child_environment(plan, metrics_file), workdir, log, hold_fds,
+                           log_file=workdir / "logs" / "worker.log")
     if code != 0:
         raise TrainingFailed(f"training exited with code {code}; last output:\n" + "\n".join(tail[-15:]))
     if not result.is_file():

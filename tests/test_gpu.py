@@ -121,3 +121,17 @@ def test_pipeline_on_a_physical_gpu_logs_gpu_facts_and_a_portable_checkpoint(pre
     assert all(t.device.type == "cpu" for s in raw["optimizer"]["state"].values() for t in s.values()
                if isinstance(t, torch.Tensor))
     assert not any(k.startswith("module.") for k in state)
+
+
+def test_a_cuda_run_resumes_with_every_rng_state_restored(tmp_path):
+    # Before: set_rng_state failed with "can't convert cuda:0 device type tensor to numpy".
+    ck = tmp_path / "ck"
+    run_worker(tmp_path / "a", env=child_env(CUDA_VISIBLE_DEVICES="0"), checkpoint_dir=str(ck),
+               device="cuda", **SMALL)
+    proc = run_worker(tmp_path / "b", env=child_env(CUDA_VISIBLE_DEVICES="0"), checkpoint_dir=str(ck),
+                      device="cuda", **{**SMALL, "epochs": 3})
+    res = result(tmp_path / "b")
+    assert res["epochs_run"] == 3 and res["resumed_from"].endswith("epoch-0002.pt"), proc.stderr[-2000:]
+    straight = run_worker(tmp_path / "c", env=child_env(CUDA_VISIBLE_DEVICES="0"), device="cuda",
+                          **{**SMALL, "epochs": 3, "deterministic": True})
+    assert straight.returncode == 0
