@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import queue
+import re
 import signal
 import socket
 import subprocess
@@ -30,6 +31,8 @@ from gpuflow.training.lifetime import die_with_parent
 from .assign import DevicePlan
 
 TAIL_LINES = 40
+WORKER_ERROR = re.compile(r"\[rank \d+\] error: (.*)")  # how training/__main__.py reports a refusal
+ATTEMPT_ENV = "GPUFLOW_LAUNCH_ATTEMPT"  # a Prefect retry of the launch is a restart for the worker
 
 
 class LaunchRequest(Protocol):
@@ -102,15 +105,16 @@ def _pump(stream, name: str, q: queue.Queue) -> None:
 
 
 def run_child(cmd: list[str], env: dict, cwd: Path, log: logging.Logger | logging.LoggerAdapter,
-              hold_fds: tuple[int, ...] = (), log_file: Path | None = None) -> tuple[int, list[str]]:
+              hold_fds: tuple[int, ...] = (), log_file: Path | None = None) -> tuple[int, list[str], list[str]]:
     """Run cmd, forwarding each output line to `log` (and `log_file`) as it arrives; returns
-    (code, last lines).
+    (code, its last lines, the errors the workers reported in their `[rank N] error:` lines).
 
     The child has a session of its own (a Ctrl-C reaches this process, which stops it in
     order), is killed if this process dies, and keeps `hold_fds` (card locks) open for as long
     as it lives.
     """
     tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+    errors: list[str] = []
     proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, bufsize=1, start_new_session=True, pass_fds=hold_fds,
                             preexec_fn=functools.partial(die_with_parent, signal.SIGKILL, os.getpid()))
@@ -130,10 +134,12 @@ def run_child(cmd: list[str], env: dict, cwd: Path, log: logging.Logger | loggin
                 open_streams -= 1
                 continue
             tail.append(line)
+            if WORKER_ERROR.search(line) and len(errors) < 4:
+                errors.append(WORKER_ERROR.search(line).group(1))
             (log.warning if name == "stderr" and "error" in line.lower() else log.info)(line)
             if out is not None:
                 out.write(line + "\n")
-        return proc.wait(), list(tail)
+        return proc.wait(), list(tail), list(dict.fromkeys(errors))
     finally:
         if proc.poll() is None:  # we are being cancelled or failed: take the whole group down
             _terminate(proc)
@@ -166,17 +172,18 @@ def child_environment(plan: DevicePlan, metrics_file: Path | None = None) -> dic
 
 
 def launch(config: Path, plan: DevicePlan, opts: LaunchRequest, workdir: Path, log,
-           metrics_file: Path | None = None, hold_fds: tuple[int, ...] = ()) -> dict:
+           metrics_file: Path | None = None, hold_fds: tuple[int, ...] = (), attempt: int = 1) -> dict:
     """Run the worker for `config` with the plan's devices; its results JSON."""
     check_rendezvous(opts)
     result = workdir / "result.json"
     result.unlink(missing_ok=True)
     cmd = build_command(plan, opts, config, result)
     log.info("launching: %s", " ".join(cmd))
-    code, tail = run_child(cmd, child_environment(plan, metrics_file), workdir, log, hold_fds,
-                           log_file=workdir / "logs" / "worker.log")
+    env = child_environment(plan, metrics_file) | {ATTEMPT_ENV: str(attempt)}
+    code, tail, errors = run_child(cmd, env, workdir, log, hold_fds, log_file=workdir / "logs" / "worker.log")
     if code != 0:
-        raise TrainingFailed(f"training exited with code {code}; last output:\n" + "\n".join(tail[-15:]))
+        why = f": {'; '.join(errors)}" if errors else ""
+        raise TrainingFailed(f"training exited with code {code}{why}; last output:\n" + "\n".join(tail[-15:]))
     if not result.is_file():
         if opts.node_rank != 0:
             return {"node_rank": opts.node_rank, "final_metrics": {}}
@@ -189,8 +196,9 @@ def launch_training(config: Path, plan: DevicePlan, opts: LaunchRequest, workdir
                     metrics_file: Path | None = None, hold_fds: tuple[int, ...] = ()) -> dict:
     """Run the worker with the plan's devices; stream its output; return its results JSON."""
     from prefect import get_run_logger
+    from prefect.runtime import task_run
 
-    return launch(config, plan, opts, workdir, get_run_logger(), metrics_file, hold_fds)
+    return launch(config, plan, opts, workdir, get_run_logger(), metrics_file, hold_fds, task_run.run_count)
 
 
 def check_resume(cfg, num_classes: int, input_shape: list[int]) -> None:

@@ -68,7 +68,7 @@ def run_on_device(checkpoint: Path, plan: DevicePlan, log, *args: str) -> dict:
         out = Path(d) / "result.json"
         cmd = [sys.executable, "-m", "gpuflow.training.evaluate", "--checkpoint", str(checkpoint),
                "--device", plan.device, "--result", str(out), *args]
-        code, tail = run_child(cmd, child_environment(plan), Path.cwd(), log)
+        code, tail, _ = run_child(cmd, child_environment(plan), Path.cwd(), log)
         if code != 0 or not out.is_file():
             raise EvaluationFailed(f"evaluation of {checkpoint} failed (exit {code}):\n" + "\n".join(tail[-10:]))
         return json.loads(out.read_text())

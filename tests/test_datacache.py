@@ -14,8 +14,7 @@ import torch
 from gpuflow.tasks.data import describe_dataset
 from tests.helpers import ROOT, result, run_worker
 from tests.test_training_core import _write_idx
-from gpuflow.training import TrainConfig
-from gpuflow.training import datacache
+from gpuflow.training import TrainConfig, datacache
 from gpuflow.training.data import DatasetError, load_data
 
 DESCRIBE = """

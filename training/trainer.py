@@ -147,7 +147,8 @@ class Trainer:
     def _resume_from(self) -> str | Path | None:
         """The run's own newest checkpoint once it has one (a restart continues, whatever
         `resume` says); before that, an explicit file, or nothing."""
-        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
+        restarted = (int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0  # torchrun's restart
+                     or int(os.environ.get("GPUFLOW_LAUNCH_ATTEMPT", 1)) > 1)  # a Prefect retry
         if self.cfg.resume == "never" and not restarted:
             return None
         latest = self.store.latest()
