@@ -12,9 +12,8 @@ import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
-from prefect import flow, get_run_logger, task
+from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
-from prefect.cache_policies import NO_CACHE
 from prefect.concurrency.sync import concurrency
 from prefect.runtime import deployment, flow_run
 
@@ -79,7 +78,8 @@ def pipeline(params: PipelineParams) -> dict:
                                   data.model_dump(mode="json"), params.runs_dir) as run:
             result = train(params, plan, data, report, run, timer, locks.fds)
             with timer("log_results"):
-                version = log_results(run, result, params, data)
+                version = tracking.log_results(run, result, params.registered_model, data.num_classes,
+                                               data.input_shape)
             summarize(params, plan, result, run, version)
             run.log_metrics({f"pipeline.{k}_s": v for k, v in timer.seconds.items()})
     get_run_logger().info("MLflow run %s finished; model %s version %s", run.run_id,
@@ -110,12 +110,6 @@ def train_node(params: PipelineParams, plan: DevicePlan, data: DatasetInfo, time
         result = launch_training.with_options(retries=params.launch_retries)(config, plan, params, workdir,
                                                                              hold_fds=cards)
     return {"node_rank": params.node_rank, "result": result, "timings": timer.seconds}
-
-
-@task(name="log-results", cache_policy=NO_CACHE)
-def log_results(run: tracking.TrackedRun, result: dict, params: PipelineParams, data: DatasetInfo) -> str:
-    """Log checkpoint, curves, worker logs and the registered model; returns the version."""
-    return tracking.log_results(run, result, params.registered_model, data.num_classes, data.input_shape)
 
 
 def run_tags(params: PipelineParams, plan: DevicePlan) -> dict:

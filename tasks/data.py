@@ -27,13 +27,17 @@ def describe_dataset(cfg: TrainConfig) -> DatasetInfo:
     """Prepare the dataset once (download if asked, read, fingerprint, write the prepared file).
 
     When a prepared file matching the source exists, only its description is read: no torch,
-    no scikit-learn, no decoding in this process.
+    no scikit-learn, no decoding in this process. Synthetic data is described by its definition
+    (each worker generates it).
     """
     from gpuflow.training import datacache
 
     builtin = cfg.dataset in ("digits", "synthetic")
     found = datacache.lookup(cfg.dataset, cfg.data_root)
-    if found:
+    if cfg.dataset == "synthetic":
+        meta = datacache.synthetic_description(cfg.synthetic_size, cfg.synthetic_side)
+        d = {"cache": None, **meta, "input_shape": list(input_shape_for(cfg.model, tuple(meta["native_shape"])))}
+    elif found:
         path, meta = found
         d = {"cache": str(path), "num_samples": meta["num_samples"], "num_classes": meta["num_classes"],
              "input_shape": list(input_shape_for(cfg.model, tuple(meta["native_shape"]))),

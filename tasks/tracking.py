@@ -28,6 +28,8 @@ from typing import Iterator
 import mlflow
 from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
+from prefect import task
+from prefect.cache_policies import NO_CACHE
 
 from gpuflow.training.metrics import parse_line
 
@@ -393,6 +395,7 @@ def register_model(run: TrackedRun, checkpoint: str, registered_name: str, num_c
     return str(info.registered_model_version)
 
 
+@task(name="log-results", cache_policy=NO_CACHE)
 def log_results(run: TrackedRun, result: dict, registered_name: str, num_classes: int,
                 input_shape: list[int]) -> str:
     """Log checkpoint, curves, worker logs and the registered model; returns the version."""

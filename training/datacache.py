@@ -28,6 +28,7 @@ from pathlib import Path
 from .files import atomic_write
 
 FORMAT = 1
+SYNTHETIC_VERSION = 1  # bump when training/data.py `_synthetic` changes what it generates
 CACHED = ("digits", "mnist", "fashion-mnist", "cifar10")  # synthetic is generated; imagefolder stays lazy
 TORCHVISION_FOLDERS = {"mnist": "MNIST", "fashion-mnist": "FashionMNIST", "cifar10": "cifar-10-batches-py"}
 CACHE_DIR = ".gpuflow-cache"
@@ -62,6 +63,14 @@ def source_signature(dataset: str, data_root: str) -> dict | None:
         return {"dataset": dataset, "torchvision": _version("torchvision"), "folder": str(folder),
                 "files": [_stat(p, folder) for p in files]}
     return None
+
+
+def synthetic_description(size: int, side: int) -> dict:
+    """The synthetic set without generating it: it is defined by its size, side and generator
+    (training/data.py `_synthetic`, seeded), so its fingerprint is that definition's hash."""
+    definition = ["synthetic", SYNTHETIC_VERSION, _version("torch"), int(size), int(side)]
+    return {"num_samples": int(size), "num_classes": 10, "native_shape": [1, int(side), int(side)],
+            "sha256": hashlib.sha256(json.dumps(definition).encode()).hexdigest()}
 
 
 def file_sha256(path: Path) -> str:
