@@ -48,7 +48,7 @@ class TrainConfig(BaseModel):
         description="digits (ships with scikit-learn, offline), synthetic, mnist, "
         "fashion-mnist, cifar10, or imagefolder:<path>",
     )
-    data_root: str = Field("data", description="folder holding torchvision datasets")
+    data_root: str = Field("data", validate_default=True, description="folder holding torchvision datasets")
     download: bool = Field(False, description="download torchvision datasets if missing")
     val_fraction: float = Field(0.2, gt=0, lt=1, description="share held out for validation")
     split_seed: int = Field(0, description="seed of the train/validation split")
@@ -74,7 +74,7 @@ class TrainConfig(BaseModel):
     num_workers: int = Field(0, ge=0, description="DataLoader worker processes")
     checkpoint_dir: str = Field("checkpoints", description="where checkpoints are written")
     resume: str = Field(
-        "auto",
+        "auto", validate_default=True,
         description="auto: continue from the latest checkpoint in checkpoint_dir; "
         "never: start fresh; or a checkpoint file path",
     )
