@@ -49,7 +49,7 @@ def main(argv=None) -> dict:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         uri = f"sqlite:///{tmp / 'mlflow.db'}"
-        from gpuflow.tasks.tracking import prepare_store
+        from gpuflow.tasks.store import prepare_store
 
         prepare_store(uri)  # the schema, once, as an existing mlflow.db has it
         for i in range(a.repeats):

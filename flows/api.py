@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from contextlib import contextmanager
@@ -47,12 +48,15 @@ def prefect_api() -> Iterator[str | None]:
     if PREFECT_API_URL.value():
         yield None
         return
-    url = f"http://127.0.0.1:{_free_port()}/api"
-    cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-           "--port", url.split(":")[-1].removesuffix("/api"), "--no-ui", "--no-services", "--analytics-off"]
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}/api"
+    cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port),
+           "--no-ui", "--no-services", "--analytics-off"]
     print(f"gpuflow: starting a temporary Prefect API on {url} (set PREFECT_API_URL to use a server)",
           file=sys.stderr, flush=True)
-    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    # Its messages go to a file: a pipe nobody reads while the flow runs could fill and block it.
+    log = tempfile.TemporaryFile("w+")
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True,
                               start_new_session=True,
                               preexec_fn=functools.partial(die_with_parent, signal.SIGTERM, os.getpid()))
     # Stopped at exit, after Prefect's own exit hooks have sent their last logs and events.
@@ -60,8 +64,8 @@ def prefect_api() -> Iterator[str | None]:
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while not _healthy(url):
         if server.poll() is not None:
-            raise RuntimeError(f"the temporary Prefect API exited ({server.returncode}): "
-                               f"{server.stderr.read()[-2000:]}")
+            log.seek(0)
+            raise RuntimeError(f"the temporary Prefect API exited ({server.returncode}): {log.read()[-2000:]}")
         if time.monotonic() > deadline:
             raise RuntimeError(f"the temporary Prefect API was not up within {STARTUP_TIMEOUT_S:.0f} s "
                                "(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS)")

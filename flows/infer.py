@@ -14,7 +14,7 @@ from pathlib import Path
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
-from gpuflow.tasks import tracking
+from gpuflow.tasks import store
 from gpuflow.tasks.assign import one_device_plan
 from gpuflow.tasks.probe import probe_environment, read_environment
 from gpuflow.tasks.registry import checkpoint_of, evaluate_checkpoint, resolve_version, run_on_device
@@ -43,7 +43,7 @@ def model_checkpoint(params: EvaluateParams | InferParams, folder: Path) -> tupl
     """The checkpoint file to use, and the registered version it came from (None for a file)."""
     if params.checkpoint:
         return Path(params.checkpoint), None
-    tracking.prepare_store(params.tracking_uri or tracking.default_tracking_uri())
+    store.prepare_store(params.tracking_uri or store.default_tracking_uri())
     version = resolve_version(params.registered_model, params.version)
     return checkpoint_of(params.registered_model, version, folder), version
 

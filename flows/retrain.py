@@ -10,7 +10,7 @@ from __future__ import annotations
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from gpuflow.tasks import tracking
+from gpuflow.tasks import store
 from gpuflow.tasks.assign import one_device_plan
 from gpuflow.tasks.probe import probe_environment
 from gpuflow.tasks.registry import champion_version, evaluate_version, promote
@@ -33,7 +33,7 @@ def retrain(params: RetrainParams) -> dict:
     """Train a challenger with the pipeline and move `champion` to it only if it is better."""
     log = get_run_logger()
     trained = train_pipeline(**params.pipeline())
-    client = tracking.prepare_store(params.tracking_uri or tracking.default_tracking_uri())
+    client = store.prepare_store(params.tracking_uri or store.default_tracking_uri())
     name, metric = params.registered_model, params.metric
     challenger_v = str(trained["model_version"])
     champion_v = champion_version(name)

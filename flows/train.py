@@ -17,7 +17,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.concurrency.sync import concurrency
 from prefect.runtime import deployment, flow_run
 
-from gpuflow.tasks import tracking
+from gpuflow.tasks import orphans, results, store, tracking
 from gpuflow.tasks.assign import DevicePlan, assign_devices, card_locks
 from gpuflow.tasks.data import DatasetInfo, prepare_dataset
 from gpuflow.tasks.launch import launch_training, preflight
@@ -50,7 +50,7 @@ def run_name() -> str:
 
 
 @flow(name="train-pipeline", flow_run_name=run_name, validate_parameters=False,
-      on_crashed=[tracking.end_flow_run_mlflow_runs], on_cancellation=[tracking.end_flow_run_mlflow_runs])
+      on_crashed=[orphans.end_flow_run_mlflow_runs], on_cancellation=[orphans.end_flow_run_mlflow_runs])
 @flat_parameters(PipelineParams)
 def train_pipeline(params: PipelineParams) -> dict:
     """Train a model on the best devices of this host and log one MLflow run."""
@@ -67,18 +67,19 @@ def pipeline(params: PipelineParams) -> dict:
     with timer("assign"):
         plan = assign_devices(report, params, params.batch_size, params.precision)
     with card_locks(plan) as locks:
+        config = params.train_config(plan)  # the worker's config before the run gives it a folder
         with timer("data"):  # only downloads can flake: retry those alone
-            data = prepare_dataset.with_options(retries=2 if params.download else 0)(params.train_config(plan))
+            data = prepare_dataset.with_options(retries=2 if params.download else 0)(config)
         with timer("preflight"):
-            preflight(params.train_config(plan), params, data.num_classes, data.input_shape)
+            preflight(config, params, data.num_classes, data.input_shape)
         if params.node_rank != 0:  # node 0 owns the MLflow run; the other nodes only train
             return train_node(params, plan, data, timer, locks.fds)
-        with tracking.tracked_run(params.tracking_uri or tracking.default_tracking_uri(), params.experiment,
+        with tracking.tracked_run(params.tracking_uri or store.default_tracking_uri(), params.experiment,
                                   flow_run.get_name() or "train", run_tags(params, plan),
                                   data.model_dump(mode="json"), params.runs_dir) as run:
             result = train(params, plan, data, report, run, timer, locks.fds)
             with timer("log_results"):
-                version = tracking.log_results(run, result, params.registered_model, data.num_classes,
+                version = results.log_results(run, result, params.registered_model, data.num_classes,
                                                data.input_shape)
             summarize(params, plan, result, run, version)
             run.log_metrics({f"pipeline.{k}_s": v for k, v in timer.seconds.items()})
@@ -115,8 +116,8 @@ def train_node(params: PipelineParams, plan: DevicePlan, data: DatasetInfo, time
 def run_tags(params: PipelineParams, plan: DevicePlan) -> dict:
     world = plan.nproc_per_node * params.nnodes
     return {
-        tracking.FLOW_RUN_TAG: flow_run.get_id(), "prefect.flow_run_name": flow_run.get_name(),
-        "prefect.deployment": deployment.get_name(), "mlflow.source.git.commit": tracking.git_commit(),
+        store.FLOW_RUN_TAG: flow_run.get_id(), "prefect.flow_run_name": flow_run.get_name(),
+        "prefect.deployment": deployment.get_name(), "mlflow.source.git.commit": store.git_commit(),
         "strategy": plan.strategy, "world_size": world, "backend": plan.backend,
         "device": plan.device, "physical_gpus": ",".join(map(str, plan.physical_ids)) or "none",
         "primary_gpu": plan.primary if plan.primary is not None else "none",

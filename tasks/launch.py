@@ -134,8 +134,8 @@ def run_child(cmd: list[str], env: dict, cwd: Path, log: logging.Logger | loggin
                 open_streams -= 1
                 continue
             tail.append(line)
-            if WORKER_ERROR.search(line) and len(errors) < 4:
-                errors.append(WORKER_ERROR.search(line).group(1))
+            if (found := WORKER_ERROR.search(line)) and len(errors) < 4:
+                errors.append(found.group(1))
             (log.warning if name == "stderr" and "error" in line.lower() else log.info)(line)
             if out is not None:
                 out.write(line + "\n")

@@ -18,7 +18,7 @@ import mlflow
 import psutil
 import pytest
 
-from gpuflow.tasks import tracking
+from gpuflow.tasks import orphans
 from gpuflow.training.checkpoint import load_file
 from tests.helpers import ROOT, child_env
 
@@ -100,7 +100,7 @@ def test_kill_9_of_the_flow_takes_its_api_torchrun_and_ranks_and_the_next_run_ma
     assert not alive, [p.cmdline()[:4] for p in alive]
     client = mlflow.MlflowClient(f"sqlite:///{db}")
     assert the_run(db).info.status == "RUNNING"  # nobody could end it...
-    assert tracking.reap_orphaned_runs(client) == [the_run(db).info.run_id]  # ...until the next start
+    assert orphans.reap_orphaned_runs(client) == [the_run(db).info.run_id]  # ...until the next start
     assert the_run(db).info.status == "KILLED" and "killed or crashed" in the_run(db).data.tags["error"]
 
 

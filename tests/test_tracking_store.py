@@ -13,7 +13,7 @@ import types
 import mlflow
 import pytest
 
-from gpuflow.tasks import tracking
+from gpuflow.tasks import orphans, store, tracking
 from gpuflow.training.metrics import MetricsFile
 
 DATASET = {"name": "synthetic", "root": None, "sha256": "ab" * 32, "num_samples": 10}
@@ -78,7 +78,7 @@ def test_relay_logs_complete_lines_live_and_the_rest_when_it_stops(tmp_path):
 
 OWNER = """
 import sys, time
-from gpuflow.tasks import tracking
+from gpuflow.tasks import orphans, store, tracking
 with tracking.tracked_run(sys.argv[1], "orphans", "victim", {}, {"name": "d", "sha256": "ab" * 32,
                           "num_samples": 1}, sys.argv[2], 60) as run:
     print(run.run_id, flush=True)
@@ -93,7 +93,7 @@ def test_a_run_whose_owner_was_killed_outright_is_marked_killed_by_the_next_star
     victim = owner.stdout.readline().strip()
     client = mlflow.MlflowClient(uri)
     assert client.get_run(victim).info.status == "RUNNING"
-    assert tracking.reap_orphaned_runs(client) == []  # its owner is alive: left alone
+    assert orphans.reap_orphaned_runs(client) == []  # its owner is alive: left alone
     owner.send_signal(signal.SIGKILL)  # no finally, no exit handler runs
     owner.wait()
     assert client.get_run(victim).info.status == "RUNNING"
@@ -106,14 +106,14 @@ def test_a_run_whose_owner_was_killed_outright_is_marked_killed_by_the_next_star
 
 def test_a_reused_pid_does_not_keep_a_dead_owners_run_alive(tmp_path):
     uri = _uri(tmp_path)
-    client = tracking.prepare_store(uri)
+    client = store.prepare_store(uri)
     exp = client.create_experiment("reuse")
     # This very process, but started at another time: the pid was reused.
-    tags = {**tracking.owner_tags(), tracking.OWNER_STARTED: "1000.000"}
+    tags = {**orphans.owner_tags(), orphans.OWNER_STARTED: "1000.000"}
     stale = client.create_run(exp, tags=tags).info.run_id
-    live = client.create_run(exp, tags=tracking.owner_tags()).info.run_id
-    other_host = client.create_run(exp, tags={**tags, tracking.OWNER_HOST: "some-other-host"}).info.run_id
-    assert tracking.reap_orphaned_runs(client) == [stale]
+    live = client.create_run(exp, tags=orphans.owner_tags()).info.run_id
+    other_host = client.create_run(exp, tags={**tags, orphans.OWNER_HOST: "some-other-host"}).info.run_id
+    assert orphans.reap_orphaned_runs(client) == [stale]
     assert [client.get_run(r).info.status for r in (stale, live, other_host)] == ["KILLED", "RUNNING", "RUNNING"]
 
 
@@ -121,13 +121,13 @@ def test_prefect_crash_hook_ends_the_flow_runs_mlflow_run_killed(tmp_path):
     # The hook Prefect's runner calls, in its own process, when a served flow run crashes
     # or is cancelled: flow_run carries the id the run is tagged with and the parameters.
     uri = _uri(tmp_path)
-    client = tracking.prepare_store(uri)
+    client = store.prepare_store(uri)
     exp = client.create_experiment("hook")
-    mine = client.create_run(exp, tags={tracking.FLOW_RUN_TAG: "flow-run-1"}).info.run_id
-    other = client.create_run(exp, tags={tracking.FLOW_RUN_TAG: "flow-run-2"}).info.run_id
+    mine = client.create_run(exp, tags={store.FLOW_RUN_TAG: "flow-run-1"}).info.run_id
+    other = client.create_run(exp, tags={store.FLOW_RUN_TAG: "flow-run-2"}).info.run_id
     flow_run = types.SimpleNamespace(id="flow-run-1", name="mlp-digits", parameters={"tracking_uri": uri})
     state = types.SimpleNamespace(name="Crashed", message="Flow run process exited with code -9")
-    tracking.end_flow_run_mlflow_runs(None, flow_run, state)
+    orphans.end_flow_run_mlflow_runs(None, flow_run, state)
     assert client.get_run(mine).info.status == "KILLED"
     assert "ended Crashed: Flow run process exited with code -9" in client.get_run(mine).data.tags["error"]
     assert client.get_run(other).info.status == "RUNNING"
@@ -138,7 +138,7 @@ def test_runs_started_together_all_link_the_same_dataset(tmp_path, trial):
     # MLflow's SQL store checks for the dataset row, then inserts it: without the retry in
     # tracking.log_dataset one of these starts fails the UNIQUE constraint (seen in CI).
     uri = _uri(tmp_path)
-    tracking.prepare_store(uri)
+    store.prepare_store(uri)
     n, errors = 6, []
     barrier = threading.Barrier(n)
 
@@ -166,7 +166,7 @@ def test_runs_started_together_all_link_the_same_dataset(tmp_path, trial):
 PREPARE_AT = """
 import sys, time
 import mlflow  # imported before the start time: the creations overlap as closely as possible
-from gpuflow.tasks.tracking import prepare_store
+from gpuflow.tasks.store import prepare_store
 time.sleep(max(0.0, float(sys.argv[2]) - time.time()))
 prepare_store(sys.argv[1])
 """
@@ -175,7 +175,7 @@ prepare_store(sys.argv[1])
 @pytest.mark.parametrize("trial", range(2))
 def test_processes_creating_a_new_store_together_all_succeed(tmp_path, trial):
     # Flows started at once on a fresh mlflow.db each create its tables; without the lock in
-    # tracking.prepare_store they collide ('table ... already exists', seen in CI).
+    # store.prepare_store they collide ('table ... already exists', seen in CI).
     uri = f"sqlite:///{tmp_path / 'sub' / 'mlflow.db'}"
     at = str(time.time() + 8)
     procs = [subprocess.Popen([sys.executable, "-c", PREPARE_AT, uri, at], stderr=subprocess.PIPE, text=True)

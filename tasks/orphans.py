@@ -1,0 +1,70 @@
+"""Runs left RUNNING by an owner that died (SIGKILL, the OOM killer, a host crash).
+
+Each run records its owner: host, pid and the process's start time, so that a reused pid
+does not count as alive. The next run on that host marks such runs KILLED; for a served flow
+run that crashed or was cancelled, Prefect's runner calls `end_flow_run_mlflow_runs`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from mlflow.tracking import MlflowClient
+
+from .store import FLOW_RUN_TAG, default_tracking_uri, end_run
+
+OWNER_HOST, OWNER_PID, OWNER_STARTED = "gpuflow.owner.host", "gpuflow.owner.pid", "gpuflow.owner.started"
+
+
+def owner_tags() -> dict[str, str]:
+    """This process as a run's owner: host, pid and start time (a reused pid is not alive)."""
+    import psutil
+
+    return {OWNER_HOST: socket.gethostname(), OWNER_PID: str(os.getpid()),
+            OWNER_STARTED: f"{psutil.Process().create_time():.3f}"}
+
+
+def owner_alive(tags: dict[str, str]) -> bool:
+    import psutil
+
+    try:
+        proc = psutil.Process(int(tags[OWNER_PID]))
+        return abs(proc.create_time() - float(tags[OWNER_STARTED])) < 0.01
+    except (KeyError, ValueError, psutil.NoSuchProcess):
+        return False
+
+
+def reap_orphaned_runs(client: MlflowClient) -> list[str]:
+    """Mark KILLED every RUNNING run of this host whose owner process is gone; their ids."""
+    host = socket.gethostname()
+    ids = [e.experiment_id for e in client.search_experiments()]
+    if not ids:
+        return []
+    found = client.search_runs(ids, f"attributes.status = 'RUNNING' and tags.`{OWNER_HOST}` = '{host}'")
+    reaped = []
+    for run in found:
+        if owner_alive(run.data.tags):
+            continue
+        end_run(client, run.info.run_id, "KILLED",
+                f"its owner (pid {run.data.tags.get(OWNER_PID)} on {host}) ended without ending the "
+                "run (killed or crashed); marked KILLED by the next gpuflow run on this host")
+        reaped.append(run.info.run_id)
+    return reaped
+
+
+def end_flow_run_mlflow_runs(flow, flow_run, state) -> None:
+    """Prefect state hook (on_crashed, on_cancellation): end the flow run's MLflow run KILLED.
+
+    For a served run whose process was killed or cancelled: Prefect's runner calls this in its
+    own process, where the flow's `finally` never ran.
+    """
+    uri = (flow_run.parameters or {}).get("tracking_uri") or default_tracking_uri()
+    client = MlflowClient(uri)
+    ids = [e.experiment_id for e in client.search_experiments()]
+    if not ids:
+        return
+    runs = client.search_runs(ids, f"attributes.status = 'RUNNING' and tags.`{FLOW_RUN_TAG}` = '{flow_run.id}'")
+    for run in runs:
+        end_run(client, run.info.run_id, "KILLED",
+                f"Prefect flow run {flow_run.name} ended {state.name}: {state.message or 'no message'}")

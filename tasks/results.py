@@ -1,0 +1,74 @@
+"""What a finished run logs: checkpoint, curves, worker logs and the registered model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlflow
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from .tracking import TrackedRun
+
+
+def plot_history(history: list[dict], out: Path) -> Path:
+    """Loss and accuracy curves as a PNG. matplotlib's object API: no pyplot state shared
+    between flows running in threads, and half pyplot's import time."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    epochs = [h["epoch"] for h in history]
+    fig = Figure(figsize=(10, 4))
+    FigureCanvasAgg(fig)
+    a, b = fig.subplots(1, 2)
+    a.plot(epochs, [h["train_loss"] for h in history], "o-", label="train loss")
+    a.plot(epochs, [h["val_loss"] for h in history], "o-", label="val loss")
+    a.set_xlabel("epoch"), a.set_ylabel("cross-entropy"), a.legend(), a.grid(alpha=0.3)
+    b.plot(epochs, [h["val_accuracy"] for h in history], "o-", color="tab:green")
+    b.set_xlabel("epoch"), b.set_ylabel("validation accuracy"), b.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    return out
+
+
+def register_model(run: TrackedRun, checkpoint: str, registered_name: str, num_classes: int,
+                   input_shape: list[int]) -> str:
+    """Log the checkpoint as a pyfunc model from code (tasks/registered_model.py) and register
+    it; idempotent per run. Needs no torch here: the model is built only where it is loaded."""
+    from importlib.metadata import version
+
+    import numpy as np
+    from mlflow.models.signature import ModelSignature
+    from mlflow.types.schema import Schema, TensorSpec
+
+    existing = run.client.search_model_versions(f"name='{registered_name}' and run_id='{run.run_id}'")
+    if existing:  # a retried task must not create a second version
+        return existing[0].version
+    active = mlflow.active_run()
+    if active is None or active.info.run_id != run.run_id:
+        raise RuntimeError(f"register_model must run in the thread that owns run {run.run_id}")
+    signature = ModelSignature(inputs=Schema([TensorSpec(np.dtype(np.float32), (-1, *input_shape))]),
+                               outputs=Schema([TensorSpec(np.dtype(np.float32), (-1, num_classes))]))
+    reqs = [f"{pkg}=={version(pkg).split('+')[0]}" for pkg in ("torch", "torchvision", "mlflow", "numpy")]
+    info = mlflow.pyfunc.log_model(
+        name="model", python_model=str(Path(__file__).with_name("registered_model.py")),
+        artifacts={"checkpoint": checkpoint}, signature=signature, pip_requirements=reqs,
+        registered_model_name=registered_name)
+    return str(info.registered_model_version)
+
+
+@task(name="log-results", cache_policy=NO_CACHE)
+def log_results(run: TrackedRun, result: dict, registered_name: str, num_classes: int,
+                input_shape: list[int]) -> str:
+    """Log checkpoint, curves, worker logs and the registered model; returns the version."""
+    client, run_id, workdir = run.client, run.run_id, run.workdir
+    client.set_tag(run_id, "torchrun_restarts", str(result.get("restarts", 0)))
+    run.log_json(result, "result.json", "training")
+    if result.get("checkpoint"):
+        client.log_artifact(run_id, result["checkpoint"], "checkpoints")
+    if result.get("history"):
+        client.log_artifact(run_id, str(plot_history(result["history"], workdir / "curves.png")), "plots")
+    if (workdir / "logs").is_dir():
+        client.log_artifacts(run_id, str(workdir / "logs"), "worker-logs")
+    client.log_artifact(run_id, str(workdir / "config.json"), "training")
+    return register_model(run, result["checkpoint"], registered_name, num_classes, input_shape)

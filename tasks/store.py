@@ -1,0 +1,102 @@
+"""The MLflow tracking store the flows use: where it is, made ready once, and how a run ends.
+
+Only named values are ever logged: never the environment wholesale.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import subprocess
+from contextlib import contextmanager
+from pathlib import Path
+
+import mlflow
+from mlflow.tracking import MlflowClient
+
+FLOW_RUN_TAG = "prefect.flow_run_id"  # on every run: finds a flow run's MLflow run
+
+
+def default_tracking_uri() -> str:
+    """MLFLOW_TRACKING_URI, else `mlflow.db` in the working directory (like `runs/` and `data/`)."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+
+
+def prepare_store(uri: str) -> MlflowClient:
+    """Point MLflow at `uri`; for SQLite create the schema and switch it to WAL once.
+
+    WAL lets the relay append metrics while system metrics and other runs write theirs,
+    instead of failing with 'database is locked'. Flows started together on a new database
+    would each create its tables and collide: creation holds a lock file beside it.
+    """
+    mlflow.set_tracking_uri(uri)
+    if not uri.startswith("sqlite:///"):
+        return MlflowClient(uri)
+    db_path = Path(uri.removeprefix("sqlite:///"))
+    db_path.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive(db_path.with_name(db_path.name + "-lock")):
+        client = MlflowClient(uri)
+        client.search_experiments(max_results=1)  # creates the tables if missing
+        with sqlite3.connect(db_path, timeout=30) as db:
+            db.execute("PRAGMA journal_mode=WAL")
+    return client
+
+
+@contextmanager
+def _exclusive(lock_path: Path):
+    """An exclusive lock between processes on this host (released if the holder dies)."""
+    import fcntl
+
+    with open(lock_path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def ensure_experiment(client: MlflowClient, name: str) -> str:
+    """The experiment's id, creating it if needed; on SQLite its artifacts live beside the db."""
+    exp = client.get_experiment_by_name(name)
+    if exp is not None:
+        return exp.experiment_id
+    uri = client.tracking_uri
+    location = None
+    if uri.startswith("sqlite:///"):
+        location = str(Path(uri.removeprefix("sqlite:///")).resolve().parent / "mlartifacts" / name)
+    try:
+        return client.create_experiment(name, artifact_location=location)
+    except mlflow.exceptions.MlflowException:  # created concurrently by another run: use theirs
+        return client.get_experiment_by_name(name).experiment_id
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
+                             text=True, timeout=10)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+def flat_params(d: dict, prefix: str = "") -> dict[str, str]:
+    out: dict[str, str] = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(flat_params(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = json.dumps(v) if isinstance(v, (list, tuple, dict)) else str(v)
+    return out
+
+
+def end_run(client: MlflowClient, run_id: str, status: str, error: str | None = None) -> str:
+    """End `run_id` with `status`; `error` goes to the run's `error` tag."""
+    if error:
+        client.set_tag(run_id, "error", error[:4000])
+    active = mlflow.active_run()
+    if active and active.info.run_id == run_id:
+        mlflow.end_run(status)  # also stops this thread's system metrics monitor
+    else:
+        client.set_terminated(run_id, status)
+    return status
