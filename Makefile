@@ -3,7 +3,8 @@ PY      := .venv/bin/python
 VENV_OK := .venv/.installed
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 180
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
-HOST    ?= 127.0.0.1
+# Addresses are gpuflow settings (127.0.0.1:4200 for Prefect, :5000 for MLflow); change them
+# with GPUFLOW_PREFECT_HOST / _PORT and GPUFLOW_MLFLOW_HOST / _PORT (gpuflow/flows/settings.py).
 
 .PHONY: run test probe server serve ui bench clean
 
@@ -23,13 +24,13 @@ probe: $(VENV_OK)        ## print what this machine offers for training
 	.venv/bin/gpuflow probe
 
 server: $(VENV_OK)       ## a Prefect server on 127.0.0.1:4200
-	.venv/bin/prefect server start --host $(HOST) --port 4200
+	.venv/bin/gpuflow server
 
 serve: $(VENV_OK)        ## serve the deployments (needs `make server` in another terminal)
-	PREFECT_API_URL=http://$(HOST):4200/api $(PY) -m gpuflow.flows.serve
+	.venv/bin/gpuflow serve
 
-ui: $(VENV_OK)           ## the MLflow UI on 127.0.0.1:5000 over mlflow.db
-	.venv/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db --host $(HOST) --port 5000
+ui: $(VENV_OK)           ## the MLflow UI on 127.0.0.1:5000 over ./mlflow.db
+	.venv/bin/gpuflow ui
 
 bench: $(VENV_OK)        ## CPU benchmarks, results in bench/RESULTS.md
 	$(PY) -m pip install -q -e '.[bench]'  # the Lightning comparison (a bench extra only)

@@ -4,6 +4,7 @@
     gpuflow evaluate [--version champion --gpus 3,]         loss and accuracy on a split
     gpuflow infer --inputs x.pt [--version 2 --gpus cpu]    predictions for a tensor file
     gpuflow probe [--json]                                  GPUs, versions, backends
+    gpuflow server | serve | ui                             Prefect server, deployments, MLflow UI
 
 `--gpus` means the same everywhere: auto, cpu, a count ('2'), or physical ids ('3,2';
 '3,' is GPU 3 alone). Every option of `run` is a parameter of the flow and of its
@@ -14,20 +15,27 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import typing
 
 from pydantic import BaseModel, ValidationError
 
+from gpuflow.tasks.launch import TrainingFailed
 from gpuflow.training.errors import UserError
 from gpuflow.training.lifetime import exit_on_sigterm
 
 from .api import prefect_api
 
 from .params import EvaluateParams, InferParams, PipelineParams, origin_is, user_fields
+from .settings import Settings, server_command, ui_command
 
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+# Default output is progress and result: MLflow's table-creation, system-metrics and
+# progress-bar chatter stays out unless asked for (set these to INFO / true to see it).
+os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 
 REST = "rest"  # json_schema_extra={"cli": REST}: the field takes every argument after `--`
 
@@ -94,7 +102,32 @@ def parser() -> argparse.ArgumentParser:
                              "on one device", **kw), InferParams)
     probe = sub.add_parser("probe", help="print GPUs, driver/CUDA/NCCL versions and backends")
     probe.add_argument("--json", action="store_true", help="machine-readable output")
+    for name, what in SERVICES.items():
+        add_model(sub.add_parser(name, help=what + " (settings: options, or GPUFLOW_<NAME> variables)", **kw),
+                  Settings)
     return top
+
+
+SERVICES = {
+    "server": "a Prefect server (API and UI) on prefect_host:prefect_port",
+    "serve": "serve the deployments against the Prefect server (PREFECT_API_URL, else prefect_host:prefect_port)",
+    "ui": "the MLflow UI on mlflow_host:mlflow_port over the tracking store (MLFLOW_TRACKING_URI, else ./mlflow.db)",
+}
+
+
+def run_service(command: str, settings: Settings) -> int:
+    import subprocess
+
+    if command == "serve":
+        from .serve import main as serve
+
+        serve(settings)
+        return 0
+    if command == "server":
+        return subprocess.call(server_command(settings))
+    from gpuflow.tasks.store import default_tracking_uri
+
+    return subprocess.call(ui_command(settings, default_tracking_uri()))
 
 
 def parse(argv: list[str], p: argparse.ArgumentParser | None = None) -> tuple[str, type[BaseModel] | None, dict]:
@@ -117,9 +150,35 @@ def parse(argv: list[str], p: argparse.ArgumentParser | None = None) -> tuple[st
 def one_line(e: BaseException) -> str:
     """A user error as one line: each bad value, what was wrong, no traceback."""
     if isinstance(e, ValidationError):
-        return "; ".join(f"{'.'.join(map(str, err['loc'])) or 'value'}={err.get('input')!r}: "
-                         f"{err['msg'].removeprefix('Value error, ')}" for err in e.errors())
+        return "; ".join((f"{'.'.join(map(str, err['loc']))}={err.get('input')!r}: " if err["loc"] else "")
+                         + err["msg"].removeprefix("Value error, ") for err in e.errors())
     return str(e).replace("\n", " ")
+
+
+class UserErrorOnce(logging.Filter):
+    """A user error raised inside a flow (or a training failure, whose output was streamed
+    already) reaches the console once, as gpuflow's one line: Prefect's tracebacks and
+    failure states repeating it are dropped there (not in the Prefect UI, whose log handler
+    this filter is not on)."""
+
+    def __init__(self):
+        super().__init__()
+        self.messages: list[str] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, (UserError, TrainingFailed)):
+            self.messages.append(str(error).splitlines()[0])
+            return False
+        return not any(m in record.getMessage() for m in self.messages)
+
+
+def report_user_errors_once() -> None:
+    import prefect  # noqa: F401  (its logging setup puts the console handler on the root logger)
+
+    once = UserErrorOnce()
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(once)
 
 
 def print_report(report) -> None:
@@ -127,12 +186,13 @@ def print_report(report) -> None:
     from rich.table import Table
 
     con = Console()
-    con.print(f"[bold]{report.hostname}[/]: {report.cpu_count} CPUs, torch {report.torch_version}, "
-              f"CUDA {report.cuda_version}, cuDNN {report.cudnn_version}, NCCL {report.nccl_version}, "
-              f"driver {report.driver_version} (source: {report.source})")
+    con.print(f"[bold]{report.hostname}[/]: {report.cpu_count} CPUs (GPU facts from: {report.source})")
+    for name, label in (("torch", "torch"), ("cuda", "CUDA"), ("cudnn", "cuDNN"), ("nccl", "NCCL"),
+                        ("driver", "driver")):
+        con.print(f"  {label}: {report.version(name)}", highlight=False)
     con.print("backends: " + ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in report.backends.items()))
-    con.print(f"inherited CUDA_VISIBLE_DEVICES={report.cuda_visible_devices!r} "
-              f"CUDA_DEVICE_ORDER={report.cuda_device_order!r}")
+    con.print(f"inherited CUDA_VISIBLE_DEVICES={report.cuda_visible_devices or 'unset'} "
+              f"CUDA_DEVICE_ORDER={report.cuda_device_order or 'unset'}", highlight=False)
     if not report.gpus:
         con.print("no GPUs: training runs on the CPU (DDP over gloo)")
     else:
@@ -176,17 +236,23 @@ def main(argv: list[str] | None = None) -> int:
             report = read_environment()
             print(report.model_dump_json(indent=2)) if values["json"] else print_report(report)
             return 0
-        model(**values)  # refuse bad values before Prefect or torch start
+        checked = model(**values)  # refuse bad values before Prefect or torch start
+        if command in SERVICES:
+            return run_service(command, checked)
         # Prefect ends the flow run on SIGTERM, then calls this handler: a normal exit (143)
         exit_on_sigterm()
         if command == "infer":  # no flow: nothing to record in Prefect
             out = infer(values)
         else:
+            report_user_errors_once()
             with prefect_api():
                 out = {"run": run, "evaluate": evaluate}[command](values)
     except (UserError, ValidationError) as e:
         print(f"gpuflow {command}: {one_line(e)}", file=sys.stderr)
         return 2
+    except TrainingFailed as e:  # the run is FAILED; its output was streamed above and is in worker.log
+        print(f"gpuflow {command}: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"gpuflow {command}: interrupted", file=sys.stderr)
         return 130

@@ -15,7 +15,7 @@ from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
 from gpuflow.tasks import store
-from gpuflow.tasks.assign import one_device_plan
+from gpuflow.tasks.assign import card_locks, one_device_plan
 from gpuflow.tasks.probe import probe_environment, read_environment
 from gpuflow.tasks.registry import checkpoint_of, evaluate_checkpoint, resolve_version, run_on_device
 
@@ -28,9 +28,9 @@ from .params import EvaluateParams, InferParams, flat_parameters
 def evaluate_model(params: EvaluateParams) -> dict:
     """Load a model version (or a checkpoint) onto one assigned device and report its accuracy."""
     plan = one_device_plan(probe_environment(), params.gpus)
-    with tempfile.TemporaryDirectory() as d:
+    with card_locks(plan) as locks, tempfile.TemporaryDirectory() as d:  # the card is ours, as training's is
         ck, version = model_checkpoint(params, Path(d))
-        result = evaluate_checkpoint(ck, plan, params.split, params.dataset, params.data_root)
+        result = evaluate_checkpoint(ck, plan, params.split, params.dataset, params.data_root, locks.fds)
     result |= {"registered_model": params.registered_model, "version": version, "physical_gpu": plan.primary}
     what = f"`{params.checkpoint}`" if params.checkpoint else f"{params.registered_model} v{version}"
     create_markdown_artifact(key="evaluation", markdown=(
@@ -53,9 +53,10 @@ def predict(params: InferParams) -> dict | None:
     import logging
 
     plan = one_device_plan(read_environment(), params.gpus)
-    with tempfile.TemporaryDirectory() as d:
+    with card_locks(plan) as locks, tempfile.TemporaryDirectory() as d:
         ck, version = model_checkpoint(params, Path(d))
-        out = run_on_device(ck, plan, logging.getLogger("gpuflow.infer"), "--inputs", str(Path(params.inputs).resolve()))
+        out = run_on_device(ck, plan, logging.getLogger("gpuflow.infer"), "--inputs",
+                            str(Path(params.inputs).resolve()), hold_fds=locks.fds)
     out |= {"registered_model": params.registered_model, "version": version, "physical_gpu": plan.primary}
     if params.output:
         Path(params.output).write_text(json.dumps(out, indent=2))

@@ -9,6 +9,8 @@ are flat on purpose: `-p epochs=3` and `--epochs 3` name fields directly.
 from __future__ import annotations
 
 import inspect
+import os
+import re
 import typing
 from pathlib import Path
 from typing import Annotated, Any, Callable, Literal
@@ -19,17 +21,50 @@ from pydantic import AfterValidator, BaseModel, Field, model_validator
 from gpuflow.tasks.assign import GPUS_HELP, DevicePlan, parse_gpus
 from gpuflow.training import TrainConfig
 
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9 ._-]{0,99}")
+URI_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql", "http", "https", "file", "databricks")
+
+
+def check_name(v: str) -> str:
+    """Names become folders, registry queries and UI links: a safe alphabet only."""
+    if not NAME.fullmatch(v) or ".." in v:
+        raise ValueError("not a usable name: use up to 100 letters, digits, spaces, '.', '_' "
+                         "or '-', starting with a letter or digit (no '/', quotes or '..')")
+    return v
+
+
+def check_tracking_uri(v: str | None) -> str | None:
+    if v is None:
+        return v
+    scheme = v.split(":", 1)[0].split("+", 1)[0] if ":" in v else ""
+    if scheme not in URI_SCHEMES:
+        hint = f"sqlite:///{os.path.abspath(v)}" if v.endswith(".db") else "sqlite:///<path>/mlflow.db"
+        raise ValueError(f"not an MLflow tracking URI; use e.g. {hint}, "
+                         "postgresql://user@host/db or http://host:5000")
+    return v
+
+
+def check_endpoint(v: str | None) -> str | None:
+    host, _, port = (v or "").rpartition(":")
+    if v is not None and not (host and port.isdigit() and 0 < int(port) < 65536):
+        raise ValueError("not host:port; use node 0's address and a free port, e.g. 10.0.0.5:29500")
+    return v
+
+
 # Parameters several flows share, declared here once.
 Gpus = Annotated[str, AfterValidator(parse_gpus), Field(description=GPUS_HELP)]
-TrackingUri = Annotated[str | None, Field(description="MLflow URI (default: MLFLOW_TRACKING_URI, else "
-                                          "sqlite:///<working directory>/mlflow.db)")]
-RegisteredModel = Annotated[str, Field(description="Model Registry name")]
+TrackingUri = Annotated[str | None, AfterValidator(check_tracking_uri),
+                        Field(description="MLflow URI (default: MLFLOW_TRACKING_URI, else "
+                              "sqlite:///<working directory>/mlflow.db)")]
+Name = Annotated[str, AfterValidator(check_name)]
+RegisteredModel = Annotated[Name, Field(description="Model Registry name")]
 Version = Annotated[str, Field(description="a registered version number, or 'champion'")]
 
 # Worker fields the flow sets from the device plan and the run's folder, never the user.
 PLAN_OWNED = ("device", "device_ids", "checkpoint_dir", "data_cache")
 # Where a run is recorded, not how it trains: left out of the run's params.
-RECORD_KEEPING = ("experiment", "registered_model", "tracking_uri", "runs_dir", "node_rank", "rdzv_endpoint")
+RECORD_KEEPING = ("experiment", "run_name", "registered_model", "tracking_uri", "runs_dir", "node_rank",
+                  "rdzv_endpoint")
 
 
 class PipelineParams(TrainConfig):
@@ -39,16 +74,20 @@ class PipelineParams(TrainConfig):
         "auto", description="auto: ddp for several devices (gloo on CPU), single for one")
     gpus: Gpus = "auto"
     backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="DDP backend; auto: nccl on GPUs, gloo on CPU")
-    min_free_mb: int = Field(0, ge=0, description="refuse/skip GPUs with less free memory")
+    min_free_mb: int = Field(0, ge=0, le=10_000_000, description="refuse/skip GPUs with less free memory")
     skip_busy: bool = Field(True, description="skip GPUs already running other processes")
-    cpu_processes: int = Field(0, ge=0, description="DDP processes on a CPU-only host (0 = auto)")
-    max_restarts: int = Field(1, ge=0, description="torchrun elastic restarts after a worker dies")
-    launch_retries: int = Field(0, ge=0, description="Prefect retries of the launch (resume from checkpoint)")
-    nnodes: int = Field(1, ge=1, description="machines in a multi-node DDP job")
+    cpu_processes: int = Field(0, ge=0, description="DDP processes on a CPU-only host (0 = auto; "
+                               "at most the host's CPU count)")
+    max_restarts: int = Field(1, ge=0, le=100, description="torchrun elastic restarts after a worker dies")
+    launch_retries: int = Field(0, ge=0, le=10, description="Prefect retries of the launch (resume from checkpoint)")
+    nnodes: int = Field(1, ge=1, le=4096, description="machines in a multi-node DDP job")
     node_rank: int = Field(0, ge=0, description="this machine's rank; only node 0 owns the MLflow run")
-    rdzv_endpoint: str | None = Field(None, description="host:port of node 0's rendezvous (multi-node)")
-    rdzv_timeout_s: int = Field(300, gt=0, description="fail when not every node arrives in time")
-    experiment: str = Field("gpuflow", description="MLflow experiment name")
+    rdzv_endpoint: Annotated[str | None, AfterValidator(check_endpoint)] = Field(
+        None, description="host:port of node 0's rendezvous (multi-node)")
+    rdzv_timeout_s: int = Field(300, ge=10, le=86_400, description="fail when not every node arrives in time")
+    experiment: Name = Field("gpuflow", description="MLflow experiment name")
+    run_name: Name | None = Field(None, description="the MLflow and Prefect run name (default: "
+                                  "<model>-<dataset>-<strategy>-x<world size>-<unique suffix>)")
     registered_model: RegisteredModel = "gpuflow-model"
     tracking_uri: TrackingUri = None
     runs_dir: str = Field("runs", description="folder for per-run configs, checkpoints and logs")
@@ -64,6 +103,22 @@ class PipelineParams(TrainConfig):
             raise ValueError(f"node_rank {self.node_rank} must be below nnodes {self.nnodes}")
         if self.nnodes > 1:
             self.strategy = "ddp"  # one process per node is still DDP
+        return self
+
+    @model_validator(mode="after")
+    def _fits_this_host(self) -> "PipelineParams":
+        cores = os.cpu_count() or 1
+        for name in ("cpu_processes", "num_workers"):
+            if getattr(self, name) > cores:
+                raise ValueError(f"{name}={getattr(self, name)} is more than the {cores} CPUs of this host; "
+                                 f"use at most {cores} (0 = auto)")
+        if self.dataset == "synthetic":
+            need = self.synthetic_size * self.synthetic_side ** 2 * 4  # float32, one channel, per process
+            ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            if need > ram // 2:
+                raise ValueError(f"synthetic_size={self.synthetic_size} at synthetic_side={self.synthetic_side} "
+                                 f"needs {need / 2**30:.1f} GiB per process, more than half of this host's "
+                                 f"{ram / 2**30:.0f} GiB; lower synthetic_size or synthetic_side")
         return self
 
     def train_config(self, plan: DevicePlan | None = None, workdir: Path | None = None,

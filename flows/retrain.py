@@ -11,9 +11,10 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from gpuflow.tasks import store
-from gpuflow.tasks.assign import one_device_plan
+from gpuflow.tasks.assign import card_locks, device_slot, one_device_plan
 from gpuflow.tasks.probe import probe_environment
 from gpuflow.tasks.registry import champion_version, evaluate_version, promote
+from gpuflow.tasks.results import OUTCOME_TAG
 
 from .params import RetrainParams, flat_parameters
 from .train import train_pipeline
@@ -27,6 +28,15 @@ def is_better(challenger: dict, champion: dict | None, metric: str) -> bool:
     return challenger["accuracy"] > champion["accuracy"]
 
 
+def outcome(promoted: bool, challenger: dict, champion: dict | None, metric: str, champion_v: str | None) -> str:
+    """The challenger version's outcome tag: the decision and the two scores it compared."""
+    if champion is None:
+        return f"promoted: {metric} {challenger[metric]:.4f}, no champion before"
+    sign = (">" if metric == "accuracy" else "<") if promoted else ("<=" if metric == "accuracy" else ">=")
+    return (f"{'promoted' if promoted else 'rejected'}: {metric} {challenger[metric]:.4f} {sign} "
+            f"champion v{champion_v} {champion[metric]:.4f}")
+
+
 @flow(name="retrain", flow_run_name="retrain-{model}-{dataset}", validate_parameters=False)
 @flat_parameters(RetrainParams)
 def retrain(params: RetrainParams) -> dict:
@@ -37,11 +47,14 @@ def retrain(params: RetrainParams) -> dict:
     name, metric = params.registered_model, params.metric
     challenger_v = str(trained["model_version"])
     champion_v = champion_version(name)
-    plan = one_device_plan(probe_environment(), params.eval_gpus)
-    # Held-out data: the challenger's validation split, for both models.
-    challenger = evaluate_version(name, challenger_v, plan, dataset=params.dataset)
-    champion = (evaluate_version(name, champion_v, plan, dataset=params.dataset)
-                if champion_v and champion_v != challenger_v else None)
+    # The evaluations use a device as training does: a slot of the host's limit, the card's lock.
+    with device_slot():
+        plan = one_device_plan(probe_environment(), params.eval_gpus)
+        with card_locks(plan) as locks:
+            # Held-out data: the challenger's validation split, for both models.
+            challenger = evaluate_version(name, challenger_v, plan, dataset=params.dataset, hold_fds=locks.fds)
+            champion = (evaluate_version(name, champion_v, plan, dataset=params.dataset, hold_fds=locks.fds)
+                        if champion_v and champion_v != challenger_v else None)
     promoted = is_better(challenger, champion, metric)
     if promoted:
         promote(name, challenger_v)
@@ -55,6 +68,8 @@ def retrain(params: RetrainParams) -> dict:
     }
     for k, v in decision.items():
         client.set_tag(trained["run_id"], k, v)
+    client.set_model_version_tag(name, challenger_v, OUTCOME_TAG, outcome(promoted, challenger, champion,
+                                                                         metric, champion_v))
     create_markdown_artifact(key="retrain-decision", markdown=(
         f"# Retrain: {decision['retrain.decision']}\n\n| | version | {metric} |\n|---|---|---|\n"
         f"| challenger | {challenger_v} | {decision['retrain.challenger_score']} |\n"

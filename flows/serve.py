@@ -1,18 +1,17 @@
 """Deployments, declared apart from the flow code, served by one process.
 
-    make server          # terminal 1: Prefect server on 127.0.0.1:4200
-    make serve           # terminal 2: this module
+    make server          # terminal 1: `gpuflow server`, Prefect on 127.0.0.1:4200
+    make serve           # terminal 2: `gpuflow serve`, this module
     .venv/bin/prefect deployment run 'train-pipeline/ddp' -p epochs=3 --watch
 
 Deployments: train-pipeline/ddp, train-pipeline/dp, retrain/nightly (cron from
 GPUFLOW_RETRAIN_CRON, default 02:00 every day, in GPUFLOW_TIMEZONE, default UTC) and
-evaluate-model/evaluate. Runs on this host share one global concurrency limit, so a
+evaluate-model/evaluate. Addresses and the schedule are settings (gpuflow/flows/settings.py). Runs on this host share one global concurrency limit, so a
 scheduled retrain and a manual run never train at once: the second waits for the first.
 """
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 
@@ -20,16 +19,17 @@ from prefect import serve
 from prefect.deployments.runner import EntrypointType
 from prefect.schedules import Cron
 
+from gpuflow.tasks.assign import DEVICE_LIMIT
+
 from .infer import evaluate_model
 from .retrain import retrain
-from .train import DEVICE_LIMIT, train_pipeline
+from .settings import Settings
+from .train import train_pipeline
 
-DEFAULT_CRON = "0 2 * * *"
 
-
-def deployments(cron: str | None = None, timezone: str | None = None) -> list:
-    cron = cron or os.environ.get("GPUFLOW_RETRAIN_CRON", DEFAULT_CRON)
-    tz = timezone or os.environ.get("GPUFLOW_TIMEZONE", "UTC")
+def deployments(settings: Settings | None = None) -> list:
+    settings = settings or Settings()
+    cron, tz = settings.retrain_cron, settings.timezone
     # Module entrypoints (flows.train.train_pipeline): the flows use package-relative imports.
     common = dict(tags=["gpuflow"], entrypoint_type=EntrypointType.MODULE_PATH)
     return [
@@ -72,10 +72,15 @@ def interrupt_on_ctrl_c() -> None:
     signal.signal(signal.SIGINT, handler)
 
 
-def main() -> None:
-    ensure_device_limit()
-    interrupt_on_ctrl_c()
-    serve(*deployments())
+def main(settings: Settings | None = None) -> None:
+    """Serve the deployments against PREFECT_API_URL, else the `gpuflow server` of the settings."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    settings = settings or Settings()
+    with temporary_settings(updates={PREFECT_API_URL: PREFECT_API_URL.value() or settings.prefect_api_url}):
+        ensure_device_limit()
+        interrupt_on_ctrl_c()
+        serve(*deployments(settings))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ Run it with `gpuflow run` (or `python -m gpuflow.flows.train --help`), or as a d
 
 from __future__ import annotations
 
-import socket
+import sys
 import time
 import uuid
 from contextlib import contextmanager
@@ -14,18 +14,17 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
-from prefect.concurrency.sync import concurrency
 from prefect.runtime import deployment, flow_run
 
 from gpuflow.tasks import orphans, results, store, tracking
-from gpuflow.tasks.assign import DevicePlan, assign_devices, card_locks
+from gpuflow.tasks.assign import DevicePlan, assign_devices, card_locks, device_slot
 from gpuflow.tasks.data import DatasetInfo, prepare_dataset
 from gpuflow.tasks.launch import launch_training, preflight
 from gpuflow.tasks.probe import EnvironmentReport, probe_environment
+from gpuflow.training.errors import UserError
 
 from .params import PipelineParams, flat_parameters
-
-DEVICE_LIMIT = "gpuflow-devices-{host}"
+from .settings import Settings
 
 
 class StepTimer:
@@ -43,10 +42,51 @@ class StepTimer:
             self.seconds[step] = round(time.perf_counter() - start, 3)
 
 
+def retry_unless_user_error(task, task_run, state) -> bool:
+    """Retry a flaky download, not a refusal: bad input stays bad on the next attempt."""
+    try:
+        state.result()
+    except UserError:
+        return False
+    except Exception:
+        return True
+    return True
+
+
 def run_name() -> str:
+    """The flow run's name until devices are assigned (then `name_run` gives the final one)."""
     p = flow_run.get_parameters()
-    return (f"{p.get('model', 'mlp')}-{p.get('dataset', 'digits')}-{p.get('strategy', 'auto')}"
-            f"-gpus={p.get('gpus', 'auto')}")
+    return p.get("run_name") or (f"{p.get('model', 'mlp')}-{dataset_label(p.get('dataset', 'digits'))}"
+                                 f"-{p.get('strategy', 'auto')}-gpus={p.get('gpus', 'auto')}")
+
+
+def dataset_label(dataset: str) -> str:
+    """imagefolder:/data/pets -> pets; built-in names as they are."""
+    return Path(dataset.split(":", 1)[1]).name if dataset.startswith("imagefolder:") else dataset
+
+
+def name_run(params: PipelineParams, plan: DevicePlan) -> str:
+    """model-dataset-strategy-x<world size>-<flow run id's start>, unless the user named the run;
+    the Prefect flow run takes the same name, so each run is found by one name in both UIs."""
+    if params.run_name:
+        return params.run_name
+    world = plan.nproc_per_node * params.nnodes
+    name = (f"{params.model}-{dataset_label(params.dataset)}-{plan.strategy}-x{world}-"
+            f"{(flow_run.get_id() or uuid.uuid4().hex)[:6]}")
+    if flow_run.get_id():
+        from prefect.client.orchestration import get_client
+
+        with get_client(sync_client=True) as client:
+            client.update_flow_run(flow_run.get_id(), name=name)
+    return name
+
+
+def entry_point() -> str:
+    """What the user ran, for the MLflow run's source: the deployment, or the command."""
+    if deployment.get_name():
+        return f"deployment {flow_run.get_flow_name()}/{deployment.get_name()}"
+    prog = Path(sys.argv[0]).name
+    return f"{prog} {sys.argv[1]}" if prog == "gpuflow" and len(sys.argv) > 1 else prog
 
 
 @flow(name="train-pipeline", flow_run_name=run_name, validate_parameters=False,
@@ -56,7 +96,7 @@ def train_pipeline(params: PipelineParams) -> dict:
     """Train a model on the best devices of this host and log one MLflow run."""
     # Served runs on one host queue here (the limit is created by flows/serve.py); without
     # the limit, as with `gpuflow run`, this passes straight through.
-    with concurrency(DEVICE_LIMIT.format(host=socket.gethostname()), occupy=1, strict=False):
+    with device_slot():
         return pipeline(params)
 
 
@@ -69,20 +109,24 @@ def pipeline(params: PipelineParams) -> dict:
     with card_locks(plan) as locks:
         config = params.train_config(plan)  # the worker's config before the run gives it a folder
         with timer("data"):  # only downloads can flake: retry those alone
-            data = prepare_dataset.with_options(retries=2 if params.download else 0)(config)
+            data = prepare_dataset.with_options(retries=2 if params.download else 0,
+                                                retry_condition_fn=retry_unless_user_error)(config)
         with timer("preflight"):
-            preflight(config, params, data.num_classes, data.input_shape)
+            preflight(config, params, data.num_classes, data.input_shape, data.num_samples,
+                      plan.nproc_per_node * params.nnodes)
         if params.node_rank != 0:  # node 0 owns the MLflow run; the other nodes only train
             return train_node(params, plan, data, timer, locks.fds)
+        name = name_run(params, plan)
         with tracking.tracked_run(params.tracking_uri or store.default_tracking_uri(), params.experiment,
-                                  flow_run.get_name() or "train", run_tags(params, plan),
-                                  data.model_dump(mode="json"), params.runs_dir) as run:
+                                  name, run_tags(params, plan), data.model_dump(mode="json"),
+                                  params.runs_dir) as run:
             result = train(params, plan, data, report, run, timer, locks.fds)
             with timer("log_results"):
                 version = results.log_results(run, result, params.registered_model, data.num_classes,
-                                               data.input_shape)
+                                               data.input_shape, describe_version(params, plan, result, name))
             summarize(params, plan, result, run, version)
-            run.log_metrics({f"pipeline.{k}_s": v for k, v in timer.seconds.items()})
+            # grouped apart in the MLflow UI, so loss and accuracy lead the run's charts
+            run.log_metrics({f"pipeline/{k}_s": v for k, v in timer.seconds.items()})
     get_run_logger().info("MLflow run %s finished; model %s version %s", run.run_id,
                           params.registered_model, version)
     return {"run_id": run.run_id, "status": "FINISHED", "model_version": version, **result,
@@ -118,11 +162,21 @@ def run_tags(params: PipelineParams, plan: DevicePlan) -> dict:
     return {
         store.FLOW_RUN_TAG: flow_run.get_id(), "prefect.flow_run_name": flow_run.get_name(),
         "prefect.deployment": deployment.get_name(), "mlflow.source.git.commit": store.git_commit(),
+        "mlflow.source.name": entry_point(),
         "strategy": plan.strategy, "world_size": world, "backend": plan.backend,
         "device": plan.device, "physical_gpus": ",".join(map(str, plan.physical_ids)) or "none",
         "primary_gpu": plan.primary if plan.primary is not None else "none",
         "dataset": params.dataset, "model": params.model,
     }
+
+
+def describe_version(params: PipelineParams, plan: DevicePlan, result: dict, name: str) -> str:
+    """The registered version's description: what it is, how it was trained, how well it does."""
+    m = result["final_metrics"]
+    scores = ", ".join(f"{k} {m[k]:.4f}" for k in ("val_accuracy", "val_loss", "train_loss") if k in m)
+    return (f"{params.model} trained on {params.dataset} by run {name}: {result['epochs_run']} epochs, "
+            f"{plan.strategy} on {plan.describe()}, batch {params.batch_size}, lr {params.lr}, {params.precision}. "
+            f"Final {scores}. Input: float32 images (N, C, H, W) as in the signature; output: class scores.")
 
 
 def summarize(params: PipelineParams, plan: DevicePlan, result: dict, run: tracking.TrackedRun,
@@ -137,7 +191,7 @@ def summarize(params: PipelineParams, plan: DevicePlan, result: dict, run: track
             f"**Devices**: {plan.describe()} ({plan.strategy}, {plan.backend}, "
             f"world size {result['world_size']})  \n"
             f"**Epochs run**: {result['epochs_run']}  \n"
-            f"**MLflow run**: `{run.run_id}` (`make ui`, then http://127.0.0.1:5000/#/experiments/"
+            f"**MLflow run**: `{run.run_id}` (`gpuflow ui`, then {Settings().mlflow_ui_url}/#/experiments/"
             f"{run.experiment_id}/runs/{run.run_id})  \n"
             f"**Registered model**: {params.registered_model} v{version}\n\n"
             f"| metric | value |\n|---|---|\n{rows}\n"

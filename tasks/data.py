@@ -8,6 +8,7 @@ from pydantic import BaseModel, Field
 
 from gpuflow.training import TrainConfig
 from gpuflow.training.config import input_shape_for, val_count
+from gpuflow.training.errors import DatasetError
 
 
 class DatasetInfo(BaseModel):
@@ -28,7 +29,7 @@ def describe_dataset(cfg: TrainConfig) -> DatasetInfo:
 
     When a prepared file matching the source exists, only its description is read: no torch,
     no scikit-learn, no decoding in this process. Synthetic data is described by its definition
-    (each worker generates it).
+    (each worker generates it). Data that cannot train raises DatasetError, reused or not.
     """
     from gpuflow.training import datacache
 
@@ -40,18 +41,43 @@ def describe_dataset(cfg: TrainConfig) -> DatasetInfo:
     elif found:
         path, meta = found
         d = {"cache": str(path), "num_samples": meta["num_samples"], "num_classes": meta["num_classes"],
-             "input_shape": list(input_shape_for(cfg.model, tuple(meta["native_shape"]))),
+             "classes": meta["classes"], "input_shape": list(input_shape_for(cfg.model, tuple(meta["native_shape"]))),
              "sha256": meta["sha256"]}
     else:
         from gpuflow.training.data import prepare
 
         d = prepare(cfg)
+    check_classes(cfg.dataset, d.get("classes"), d["num_samples"])  # synthetic: 10 by construction
+    check_split(cfg, d["num_samples"])
     n, n_val = d["num_samples"], val_count(d["num_samples"], cfg.val_fraction)
     return DatasetInfo(
         name=cfg.dataset, root=None if builtin else cfg.data_root, num_samples=n,
         train_samples=n - n_val, val_samples=n_val, num_classes=d["num_classes"],
         input_shape=d["input_shape"], sha256=d["sha256"], cache=d["cache"], reused=bool(found),
     )
+
+
+def check_classes(dataset: str, classes: list[str] | None, num_samples: int) -> None:
+    """A classifier needs samples of at least two classes."""
+    if classes is None or len(classes) > 1 or num_samples == 0:
+        return
+    fix = (f"add a folder of images per class under {dataset.split(':', 1)[1]!r}" if dataset.startswith("imagefolder:")
+           else "check the source's labels, or choose another dataset")
+    raise DatasetError(f"dataset {dataset!r} has only one class ({classes[0]!r}, all {num_samples} samples): "
+                       f"a classifier needs at least 2; {fix}")
+
+
+def check_split(cfg: TrainConfig, num_samples: int, world_size: int = 1) -> None:
+    """Training needs a sample for each of the `world_size` processes, and validation one sample."""
+    n_val = min(val_count(num_samples, cfg.val_fraction), num_samples)
+    n_train = num_samples - n_val
+    if n_train >= world_size and n_val >= 1:
+        return
+    per_process = " (one per process)" if world_size > 1 else ""
+    raise DatasetError(
+        f"dataset {cfg.dataset!r} has {num_samples} samples; val_fraction {cfg.val_fraction} leaves {n_train} for "
+        f"training and {n_val} for validation, but training needs at least {world_size}{per_process} and "
+        f"validation 1: add data, lower val_fraction{', or run fewer processes' if world_size > 1 else ''}")
 
 
 @task(name="prepare-dataset", retry_delay_seconds=5, cache_policy=NO_CACHE)

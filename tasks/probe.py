@@ -52,7 +52,13 @@ class EnvironmentReport(BaseModel):
     bf16_supported: bool = True
     cuda_visible_devices: str | None = None
     cuda_device_order: str | None = None
+    unknown: dict[str, str] = Field({}, description="why a version above is missing (null)")
     warnings: list[str] = []
+
+    def version(self, name: str) -> str:
+        """A version for people: the value, or 'unknown (why)'; never 'None'."""
+        value = getattr(self, f"{name}_version")
+        return value if value is not None else f"unknown ({self.unknown.get(name, 'not reported')})"
 
     def visible_physical_ids(self) -> list[int]:
         """Physical ids this process may use, after an inherited CUDA_VISIBLE_DEVICES."""
@@ -237,6 +243,7 @@ def read_environment(nvml=None, with_torch: bool = True, import_torch: bool = Tr
         cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
         cuda_device_order=os.environ.get("CUDA_DEVICE_ORDER"), warnings=warnings,
     )
+    report.unknown = why_unknown(report, tv, with_torch)
     visible = report.visible_physical_ids()
     if report.torch_device_count is not None and gpus and report.torch_device_count != len(visible):
         report.warnings.append(
@@ -247,6 +254,26 @@ def read_environment(nvml=None, with_torch: bool = True, import_torch: bool = Tr
             "inherited CUDA_VISIBLE_DEVICES is read in PCI bus order (nvidia-smi numbering); "
             "set CUDA_DEVICE_ORDER=PCI_BUS_ID so other tools agree")
     return report
+
+
+def why_unknown(report: EnvironmentReport, tv: dict, with_torch: bool) -> dict[str, str]:
+    """The reason for each version the probe could not read."""
+    if not with_torch:
+        torch_why = "torch not probed"
+    else:
+        torch_why = "; ".join(tv.get("error", [])) or "torch did not report it"
+    no_gpu = "no GPU on this host: it loads with the CUDA runtime"
+    reasons = {
+        "driver": "no NVIDIA driver found: neither NVML nor nvidia-smi answered" if report.source == "none"
+        else f"{report.source} did not report it",
+        "torch": torch_why,
+        "cuda": (torch_why if "error" in tv or not with_torch else
+                 "not read: torch was not imported on this GPU-less host (`gpuflow probe` reads it)"
+                 if "cuda_version" not in tv else f"torch {report.torch_version} is a CPU-only build"),
+        "cudnn": no_gpu if not report.gpus else torch_why,
+        "nccl": no_gpu if not report.gpus else torch_why,
+    }
+    return {k: v for k, v in reasons.items() if getattr(report, f"{k}_version") is None}
 
 
 @task(name="probe-environment")

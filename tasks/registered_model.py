@@ -8,6 +8,7 @@ a float32 array (N, C, H, W) and returns the class scores (N, classes);
 """
 
 import mlflow
+import numpy as np
 from mlflow.pyfunc import PythonModel
 
 
@@ -21,8 +22,7 @@ class CheckpointModel(PythonModel):
         load_model_state(self.model, ck["model"])
         self.model.eval()
 
-    def predict(self, context, model_input, params=None):
-        import numpy as np
+    def predict(self, context, model_input: np.ndarray, params=None) -> np.ndarray:
         import torch
 
         with torch.no_grad():

@@ -62,34 +62,38 @@ def checkpoint_of(name: str, version: str, dest: Path) -> Path:
     return Path(client.download_artifacts(run_id, sorted(files)[-1], str(dest)))
 
 
-def run_on_device(checkpoint: Path, plan: DevicePlan, log, *args: str) -> dict:
-    """Run gpuflow.training.evaluate in a child that sees only the plan's device; its JSON report."""
+def run_on_device(checkpoint: Path, plan: DevicePlan, log, *args: str, hold_fds: tuple[int, ...] = ()) -> dict:
+    """Run gpuflow.training.evaluate in a child that sees only the plan's device; its JSON report.
+
+    The caller holds card_locks(plan); `hold_fds` (its descriptors) are held by the child too.
+    """
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "result.json"
         cmd = [sys.executable, "-m", "gpuflow.training.evaluate", "--checkpoint", str(checkpoint),
                "--device", plan.device, "--result", str(out), *args]
-        code, tail, _ = run_child(cmd, child_environment(plan), Path.cwd(), log)
+        code, tail, _ = run_child(cmd, child_environment(plan), Path.cwd(), log, hold_fds)
         if code != 0 or not out.is_file():
             raise EvaluationFailed(f"evaluation of {checkpoint} failed (exit {code}):\n" + "\n".join(tail[-10:]))
         return json.loads(out.read_text())
 
 
 @task(name="evaluate-checkpoint", cache_policy=NO_CACHE)
-def evaluate_checkpoint(checkpoint: Path, plan: DevicePlan, split: str = "val",
-                        dataset: str | None = None, data_root: str | None = None) -> dict:
-    """Loss and accuracy of a checkpoint on a dataset split, on the plan's one device."""
+def evaluate_checkpoint(checkpoint: Path, plan: DevicePlan, split: str = "val", dataset: str | None = None,
+                        data_root: str | None = None, hold_fds: tuple[int, ...] = ()) -> dict:
+    """Loss and accuracy of a checkpoint on a dataset split, on the plan's one device (see run_on_device)."""
     args = ["--split", split, *(["--dataset", dataset] if dataset else []),
             *(["--data-root", data_root] if data_root else [])]
-    return run_on_device(checkpoint, plan, get_run_logger(), *args)
+    return run_on_device(checkpoint, plan, get_run_logger(), *args, hold_fds=hold_fds)
 
 
 @task(name="evaluate-version", cache_policy=NO_CACHE)
 def evaluate_version(name: str, version: str, plan: DevicePlan, dataset: str | None = None,
-                     data_root: str | None = None) -> dict:
+                     data_root: str | None = None, hold_fds: tuple[int, ...] = ()) -> dict:
     """Fetch a registered version's checkpoint and evaluate it on the plan's device."""
     with tempfile.TemporaryDirectory() as d:
         ck = checkpoint_of(name, version, Path(d))
-        return evaluate_checkpoint.fn(ck, plan, dataset=dataset, data_root=data_root) | {"version": version}
+        return evaluate_checkpoint.fn(ck, plan, dataset=dataset, data_root=data_root,
+                                      hold_fds=hold_fds) | {"version": version}
 
 
 @task(name="promote", cache_policy=NO_CACHE)

@@ -31,13 +31,19 @@ def plot_history(history: list[dict], out: Path) -> Path:
     return out
 
 
-def register_model(run: TrackedRun, checkpoint: str, registered_name: str, num_classes: int,
-                   input_shape: list[int]) -> str:
+OUTCOME_TAG = "gpuflow.outcome"  # on every registered version: promoted, rejected (scores), or not compared
+NOT_COMPARED = "registered, not compared: the retrain flow compares a version with the champion"
+
+
+def register_model(run: TrackedRun, result: dict, registered_name: str, num_classes: int,
+                   input_shape: list[int], description: str) -> str:
     """Log the checkpoint as a pyfunc model from code (tasks/registered_model.py) and register
-    it; idempotent per run. Needs no torch here: the model is built only where it is loaded."""
+    it; idempotent per run. MLflow checks the model on the run's own input example (a few
+    validation samples the worker saved), so a version that cannot load or predict says so here."""
     from importlib.metadata import version
 
     import numpy as np
+    from mlflow.exceptions import MlflowException
     from mlflow.models.signature import ModelSignature
     from mlflow.types.schema import Schema, TensorSpec
 
@@ -49,17 +55,25 @@ def register_model(run: TrackedRun, checkpoint: str, registered_name: str, num_c
         raise RuntimeError(f"register_model must run in the thread that owns run {run.run_id}")
     signature = ModelSignature(inputs=Schema([TensorSpec(np.dtype(np.float32), (-1, *input_shape))]),
                                outputs=Schema([TensorSpec(np.dtype(np.float32), (-1, num_classes))]))
+    example = np.load(result["input_example"]) if result.get("input_example") else None
     reqs = [f"{pkg}=={version(pkg).split('+')[0]}" for pkg in ("torch", "torchvision", "mlflow", "numpy")]
     info = mlflow.pyfunc.log_model(
         name="model", python_model=str(Path(__file__).with_name("registered_model.py")),
-        artifacts={"checkpoint": checkpoint}, signature=signature, pip_requirements=reqs,
-        registered_model_name=registered_name)
-    return str(info.registered_model_version)
+        artifacts={"checkpoint": result["checkpoint"]}, signature=signature, input_example=example,
+        pip_requirements=reqs)
+    try:
+        run.client.create_registered_model(registered_name)
+    except MlflowException as e:  # it exists already (or was just created by a concurrent run)
+        if e.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+    mv = run.client.create_model_version(registered_name, info.model_uri, run.run_id, model_id=info.model_id,
+                                         description=description, tags={OUTCOME_TAG: NOT_COMPARED})
+    return str(mv.version)
 
 
 @task(name="log-results", cache_policy=NO_CACHE)
 def log_results(run: TrackedRun, result: dict, registered_name: str, num_classes: int,
-                input_shape: list[int]) -> str:
+                input_shape: list[int], description: str) -> str:
     """Log checkpoint, curves, worker logs and the registered model; returns the version."""
     client, run_id, workdir = run.client, run.run_id, run.workdir
     client.set_tag(run_id, "torchrun_restarts", str(result.get("restarts", 0)))
@@ -71,4 +85,4 @@ def log_results(run: TrackedRun, result: dict, registered_name: str, num_classes
     if (workdir / "logs").is_dir():
         client.log_artifacts(run_id, str(workdir / "logs"), "worker-logs")
     client.log_artifact(run_id, str(workdir / "config.json"), "training")
-    return register_model(run, result["checkpoint"], registered_name, num_classes, input_shape)
+    return register_model(run, result, registered_name, num_classes, input_shape, description)

@@ -1,8 +1,11 @@
 import os
+import tempfile
 
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Card locks of every test in a folder of this session, never the machine's /tmp/gpuflow-locks.
+os.environ["GPUFLOW_LOCK_DIR"] = tempfile.mkdtemp(prefix="gpuflow-test-locks-")
 
 
 def pytest_collection_modifyitems(config, items):

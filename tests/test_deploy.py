@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import pytest
 from gpuflow.flows.infer import evaluate_model
 from gpuflow.flows.retrain import retrain
 from gpuflow.flows.train import train_pipeline
+from gpuflow.tasks.results import OUTCOME_TAG
 from tests.servers import BIN, mlflow_server
 
 QUICK = dict(epochs=2, dataset="digits", model="mlp", gpus="cpu")
@@ -48,6 +50,10 @@ def test_first_retrain_promotes_and_a_worse_challenger_does_not(retrained):
     assert float(second["retrain.challenger_score"]) < float(second["retrain.champion_score"])
     tags = client.get_run(second["run_id"]).data.tags
     assert tags["retrain.decision"] == "kept champion" and tags["retrain.champion_version"] == "1"
+    outcomes = {v.version: v.tags[OUTCOME_TAG] for v in client.search_model_versions("name='gpuflow-model'")}
+    assert outcomes[first["retrain.challenger_version"]].startswith("promoted: accuracy ")
+    assert re.fullmatch(r"rejected: accuracy 0\.\d{4} <= champion v1 0\.\d{4}",
+                        outcomes[second["retrain.challenger_version"]]), outcomes
     versions = client.search_model_versions("name='gpuflow-model'")
     assert sorted(int(v.version) for v in versions) == [1, 2]  # one version per run
 

@@ -186,11 +186,3 @@ def test_every_checkpoint_load_in_the_project_uses_weights_only():
     assert calls, "expected at least one torch.load call"
     for name, call in calls:
         assert "weights_only=True" in call, (name, call)
-
-
-def test_servers_in_the_makefile_bind_to_loopback():
-    text = (ROOT / "Makefile").read_text()
-    assert "HOST    ?= 127.0.0.1" in text
-    for line in text.splitlines():
-        if "server start" in line or "mlflow ui" in line or "mlflow server" in line:
-            assert "--host $(HOST)" in line, line

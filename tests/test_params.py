@@ -94,5 +94,5 @@ def test_bad_values_are_one_line_naming_the_value():
     with pytest.raises(Exception) as e:
         PipelineParams(epochs=0, gpus="two")
     line = cli.one_line(e.value)
-    assert "\n" not in line and "epochs=0: epochs must be a positive integer" in line
+    assert "\n" not in line and "epochs=0: Input should be greater than or equal to 1" in line
     assert "gpus='two': gpus='two' is not understood" in line

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import io
 import os
 import signal
 import sys
@@ -11,8 +12,9 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from .cardlock import hold_card_locks
 from .errors import TrainingDiverged, UserError
-from .files import write_json_atomic
+from .files import atomic_write, write_json_atomic
 from .lifetime import die_with_parent, exit_on_sigterm
 
 
@@ -57,6 +59,9 @@ def _train(cfg, metrics, config_path: str, result_path: str | None, freeze_impor
         result = trainer.train()
         if ctx.is_main:
             out = Path(result_path or Path(config_path).with_name("result.json"))
+            example = _npy_bytes(trainer.input_example())
+            result["input_example"] = str(atomic_write(out.with_name("input_example.npy"),
+                                                       lambda tmp: tmp.write_bytes(example)))
             write_json_atomic(out, result)
         # Leave together: a rank that tears gloo down while rank 0 still writes result.json
         # can abort (SIGABRT) on the half-closed connection.
@@ -71,6 +76,14 @@ def _train(cfg, metrics, config_path: str, result_path: str | None, freeze_impor
         distributed.teardown()
 
 
+def _npy_bytes(array) -> bytes:
+    import numpy as np
+
+    buf = io.BytesIO()
+    np.save(buf, array)
+    return buf.getvalue()
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     rank = os.environ.get("RANK", "0")
@@ -78,6 +91,7 @@ def main(argv=None) -> int:
         die_with_parent(signal.SIGKILL)
     exit_on_sigterm()
     try:
+        hold_card_locks()  # before the card is touched: no new run gets it until this process is gone
         run(args.config, args.result, freeze_imports=True)
     except (UserError, ValidationError) as e:
         print(f"[rank {rank}] error: {e}", file=sys.stderr, flush=True)

@@ -127,6 +127,12 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"][: torch.cuda.device_count()])
 
 
+def _torch_save(payload: dict, path: Path) -> None:
+    # Through a Python file: a full disk is then an OSError (ENOSPC), not torch's bare RuntimeError.
+    with open(path, "wb") as f:
+        torch.save(payload, f)
+
+
 class CheckpointStore:
     """Epoch checkpoints in one folder: `epoch-0001.pt`, ... Only complete files count."""
 
@@ -161,8 +167,11 @@ class CheckpointStore:
         return self.folder / f"epoch-{epoch:04d}.pt"
 
     def save(self, payload: dict, epoch: int) -> Path:
-        """Written to a temp file in the same folder, then renamed: never half a file."""
-        return atomic_write(self.path_for(epoch), lambda tmp: torch.save(payload, tmp))
+        """Written to a temp file in the same folder, then renamed: never half a file.
+
+        A full disk raises DiskFull (a UserError) naming the file; no temp file is left.
+        """
+        return atomic_write(self.path_for(epoch), lambda tmp: _torch_save(payload, tmp))
 
     def latest(self) -> Path | None:
         """Newest complete checkpoint (temp files never match the name pattern)."""

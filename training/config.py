@@ -20,6 +20,8 @@ Precision = Literal["fp32", "bf16", "fp16"]
 Strategy = Literal["single", "dp", "ddp"]
 
 
+MAX_SEED = 2**32 - 1  # NumPy's seeds are 32-bit
+MAX_EPOCHS = 100_000  # beyond any real job; absurd counts broke the Prefect UI's run list
 MIN_SIDE = 28  # small images (8x8 digits) are upsampled to this side
 
 
@@ -40,7 +42,7 @@ def val_count(n: int, val_fraction: float) -> int:
 class TrainConfig(BaseModel):
     """Everything the worker needs to train, and nothing about the host it runs on."""
 
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+    model_config = ConfigDict(extra="forbid", protected_namespaces=(), allow_inf_nan=False)
 
     model: str = Field("mlp", description=f"one of {', '.join(MODELS)}")
     dataset: str = Field(
@@ -51,14 +53,14 @@ class TrainConfig(BaseModel):
     data_root: str = Field("data", validate_default=True, description="folder holding torchvision datasets")
     download: bool = Field(False, description="download torchvision datasets if missing")
     val_fraction: float = Field(0.2, gt=0, lt=1, description="share held out for validation")
-    split_seed: int = Field(0, description="seed of the train/validation split")
-    synthetic_size: int = Field(4096, gt=0, description="samples in the synthetic dataset")
+    split_seed: int = Field(0, ge=0, le=MAX_SEED, description="seed of the train/validation split")
+    synthetic_size: int = Field(4096, ge=2, le=10_000_000, description="samples in the synthetic dataset")
     synthetic_side: int = Field(28, ge=8, le=512, description="image side of the synthetic dataset")
-    epochs: int = Field(3, description="epochs to train (> 0)")
-    batch_size: int = Field(64, description="global batch size, split across devices")
-    lr: float = Field(1e-3, description="learning rate (> 0)")
+    epochs: int = Field(3, ge=1, le=MAX_EPOCHS, description="epochs to train")
+    batch_size: int = Field(64, ge=1, le=1_000_000, description="global batch size, split across devices")
+    lr: float = Field(1e-3, gt=0, le=10, description="learning rate")
     optimizer: Literal["adam", "sgd"] = Field("adam", description="adam, or sgd with momentum")
-    momentum: float = Field(0.9, ge=0, description="SGD momentum")
+    momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum")
     grad_clip: float = Field(0.0, ge=0, description="max grad norm; 0 disables clipping")
     precision: Precision = Field("fp32", description="bf16/fp16: autocast mixed precision (fp16 needs CUDA)")
     strategy: Strategy = Field("single", description="single device, nn.DataParallel, or DDP under torchrun")
@@ -68,18 +70,18 @@ class TrainConfig(BaseModel):
     device_ids: list[int] | None = Field(
         None, description="logical DataParallel device ids (default: all visible)"
     )
-    seed: int = Field(42, description="seed of Python, NumPy and torch (every device)")
+    seed: int = Field(42, ge=0, le=MAX_SEED, description="seed of Python, NumPy and torch (every device)")
     deterministic: bool = Field(False, description="cudnn.deterministic + deterministic algorithms")
     cudnn_benchmark: bool = Field(False, description="let cuDNN pick the fastest kernels (off with deterministic)")
-    num_workers: int = Field(0, ge=0, description="DataLoader worker processes")
+    num_workers: int = Field(0, ge=0, le=256, description="DataLoader worker processes")
     checkpoint_dir: str = Field("checkpoints", description="where checkpoints are written")
     resume: str = Field(
         "auto", validate_default=True,
         description="auto: continue from the latest checkpoint in checkpoint_dir; "
         "never: start fresh; or a checkpoint file path",
     )
-    dist_timeout_s: float = Field(300.0, gt=0, description="collective/rendezvous timeout")
-    max_steps_per_epoch: int = Field(0, ge=0, description="cap on steps per epoch; 0 = no cap")
+    dist_timeout_s: float = Field(300.0, ge=10, le=86_400, description="collective/rendezvous timeout")
+    max_steps_per_epoch: int = Field(0, ge=0, le=100_000_000, description="cap on steps per epoch; 0 = no cap")
     data_cache: str | None = Field(
         None, description="prepared dataset file written by the flow's data step (training/datacache.py); "
         "workers read it instead of the source")
@@ -111,20 +113,6 @@ class TrainConfig(BaseModel):
         """Paths mean what they meant where the user typed them: workers run in the run's folder."""
         return v if v in ("auto", "never") else str(Path(v).expanduser().resolve())
 
-    @field_validator("epochs", "batch_size")
-    @classmethod
-    def _positive_int(cls, v: int, info) -> int:
-        if v <= 0:
-            raise ValueError(f"{info.field_name} must be a positive integer, got {v}")
-        return v
-
-    @field_validator("lr")
-    @classmethod
-    def _positive_lr(cls, v: float) -> float:
-        if not v > 0:
-            raise ValueError(f"lr must be > 0, got {v}; try 1e-3 for adam or 0.1 for sgd")
-        return v
-
     @model_validator(mode="after")
     def _consistent(self) -> "TrainConfig":
         if self.precision == "fp16" and self.device == "cpu":
@@ -141,10 +129,9 @@ class TrainConfig(BaseModel):
         return self.model_dump(mode="json")
 
     def to_json(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict(), indent=2))
-        return path
+        from .files import write_json_atomic  # a full disk names the path (DiskFull)
+
+        return write_json_atomic(path, self.to_dict())
 
     @classmethod
     def from_json(cls, path: str | Path) -> "TrainConfig":

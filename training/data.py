@@ -8,6 +8,7 @@ per-sample Python, no collate. `imagefolder:<path>` stays lazy (torchvision Imag
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -16,14 +17,10 @@ import torch.nn.functional as F
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, Subset
 
 from . import datacache
-from .errors import UserError
 from .config import TrainConfig, input_shape_for, val_count
+from .errors import DatasetError
 
 IMAGEFOLDER_SIZE = 64  # square side images from an ImageFolder are resized to
-
-
-class DatasetError(UserError):
-    """A dataset cannot be found or read; the message says where it looked and what to do."""
 
 
 @dataclass
@@ -143,22 +140,37 @@ def _unit(x: torch.Tensor) -> torch.Tensor:
     return x.float() / 255.0 if x.dtype == torch.uint8 else x
 
 
+def present_classes(y: torch.Tensor) -> list[str]:
+    """The labels that occur in `y`, as strings (a source may declare more than it holds)."""
+    return [str(v) for v in torch.unique(y).tolist()]
+
+
 def prepare(cfg: TrainConfig) -> dict:
     """The flow's data step: read the source once, fingerprint it, write the prepared file.
 
-    Returns {"cache": path or None, "num_samples", "num_classes", "input_shape", "sha256"}.
-    Named sources go to a prepared file (training/datacache.py) that the workers load instead
-    of the source; synthetic data and image folders are described only.
+    Returns {"cache": path or None, "num_samples", "num_classes", "classes" (those present),
+    "input_shape", "sha256"}. Named sources go to a prepared file (training/datacache.py) that
+    the workers load instead of the source; synthetic data and image folders are described only.
+    Every image of an image folder is decoded once here, so a bad file stops the run before it starts.
     """
-    if cfg.dataset.startswith("imagefolder:") or cfg.dataset not in datacache.CACHED:
+    if cfg.dataset.startswith("imagefolder:"):
+        b = _load_imagefolder(cfg)
+        folder = b.train.dataset
+        check_images(cfg.dataset, [p for p, _ in folder.samples])
+        return {"cache": None, "num_samples": b.fingerprint["num_samples"], "num_classes": b.num_classes,
+                "classes": list(folder.classes), "input_shape": list(b.input_shape), "sha256": b.fingerprint["sha256"]}
+    if cfg.dataset not in datacache.CACHED:
         b = load_data(cfg)
         return {"cache": None, "num_samples": b.fingerprint["num_samples"], "num_classes": b.num_classes,
-                "input_shape": list(b.input_shape), "sha256": b.fingerprint["sha256"]}
+                "classes": present_classes(torch.cat([b.train.y, b.val.y])), "input_shape": list(b.input_shape),
+                "sha256": b.fingerprint["sha256"]}
     x, y, num_classes = SOURCES[cfg.dataset](cfg)
     fp = _fingerprint(cfg.dataset, _unit(x), y)
-    path = datacache.store(cfg.dataset, cfg.data_root, x, y, num_classes, fp)
+    classes = present_classes(y)
+    path = datacache.store(cfg.dataset, cfg.data_root, x, y, num_classes, fp, classes)
     return {"cache": str(path) if path else None, "num_samples": len(y), "num_classes": num_classes,
-            "input_shape": list(input_shape_for(cfg.model, tuple(x.shape[1:]))), "sha256": fp["sha256"]}
+            "classes": classes, "input_shape": list(input_shape_for(cfg.model, tuple(x.shape[1:]))),
+            "sha256": fp["sha256"]}
 
 
 def load_data(cfg: TrainConfig, fingerprint: bool = True) -> DataBundle:
@@ -185,13 +197,16 @@ def load_data(cfg: TrainConfig, fingerprint: bool = True) -> DataBundle:
 
 def _load_imagefolder(cfg: TrainConfig) -> DataBundle:
     from torchvision import datasets, transforms
+    from torchvision.datasets.folder import IMG_EXTENSIONS
 
     root = Path(cfg.dataset.split(":", 1)[1]).expanduser()
     if not root.is_dir():
         raise DatasetError(
             f"imagefolder path {str(root)!r} is not a folder; expected <path>/<class>/<image>"
         )
-    probe = datasets.ImageFolder(str(root))
+    if not any(p.is_dir() for p in root.iterdir()):
+        raise DatasetError(f"imagefolder {str(root)!r} has no class folders; expected <path>/<class>/<image>, "
+                           "one folder of images per class")
     shape = input_shape_for(cfg.model, (3, IMAGEFOLDER_SIZE, IMAGEFOLDER_SIZE))
     c, h, w = shape
     tf = transforms.Compose([
@@ -200,13 +215,42 @@ def _load_imagefolder(cfg: TrainConfig) -> DataBundle:
         transforms.ToTensor(),
         transforms.Normalize([0.5] * c, [0.5] * c),
     ])
-    ds = datasets.ImageFolder(str(root), transform=tf)
+    ds = datasets.ImageFolder(str(root), transform=tf, allow_empty=True)  # empty classes: our message
+    empty = sorted(set(ds.classes) - {ds.classes[label] for _, label in ds.samples})
+    if empty:
+        raise DatasetError(f"imagefolder {str(root)!r}: class folder(s) {', '.join(map(repr, empty))} hold no "
+                           f"images ({' '.join(IMG_EXTENSIONS)}); add images or remove the folder(s)")
     h_ = hashlib.sha256()
-    for p, label in probe.samples:  # paths, sizes and labels: cheap and catches edits
+    for p, label in ds.samples:  # paths, sizes and labels: cheap and catches edits
         h_.update(f"{Path(p).relative_to(root)}:{Path(p).stat().st_size}:{label}".encode())
     fp = {"name": cfg.dataset, "num_samples": len(ds), "sha256": h_.hexdigest()}
     train_idx, val_idx = split_indices(len(ds), cfg.val_fraction, cfg.split_seed)
     return DataBundle(Subset(ds, train_idx), Subset(ds, val_idx), len(ds.classes), shape, fp)
+
+
+def _decode_error(path: str) -> str | None:
+    """Why the image at `path` cannot be decoded, or None when it can."""
+    from PIL import Image
+
+    try:
+        with Image.open(path) as im:
+            im.draft(None, (IMAGEFOLDER_SIZE, IMAGEFOLDER_SIZE))  # JPEGs decode at reduced scale: whole stream, fast
+            im.load()
+    except Exception as e:  # any decoder error is one the workers' loader would hit mid-epoch
+        return " ".join(f"{type(e).__name__}: {e}".split())
+    return None
+
+
+def check_images(dataset: str, files: list[str]) -> None:
+    """Decode every image once (in threads: PIL releases the GIL); name the first bad file and count the rest."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        bad = [(f, why) for f, why in zip(files, pool.map(_decode_error, files), strict=True) if why]
+    if bad:
+        more = f" (and {len(bad) - 1} more unreadable images)" if len(bad) > 1 else ""
+        raise DatasetError(f"dataset {dataset!r}: image {bad[0][0]!r} cannot be read ({bad[0][1]}){more}; "
+                           "replace or delete it and run again")
 
 
 # --- loaders -------------------------------------------------------------------------

@@ -25,9 +25,10 @@ import json
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+from .errors import DatasetError
 from .files import atomic_write
 
-FORMAT = 1
+FORMAT = 2  # 2: the description records the classes present
 SYNTHETIC_VERSION = 1  # bump when training/data.py `_synthetic` changes what it generates
 CACHED = ("digits", "mnist", "fashion-mnist", "cifar10")  # synthetic is generated; imagefolder stays lazy
 TORCHVISION_FOLDERS = {"mnist": "MNIST", "fashion-mnist": "FashionMNIST", "cifar10": "cifar-10-batches-py"}
@@ -104,11 +105,12 @@ def lookup(dataset: str, data_root: str) -> tuple[Path, dict] | None:
     return None
 
 
-def store(dataset: str, data_root: str, x, y, num_classes: int, fingerprint: dict) -> Path | None:
+def store(dataset: str, data_root: str, x, y, num_classes: int, fingerprint: dict,
+          classes: list[str]) -> Path | None:
     """Write the prepared file (atomically: concurrent runs may race) and its description.
 
     Returns None, and the workers read the source themselves, when there is no signature or
-    the folder is not writable.
+    the folder is not writable. A full disk raises DiskFull (training/files.py), leaving no temp file.
     """
     import torch
 
@@ -117,7 +119,6 @@ def store(dataset: str, data_root: str, x, y, num_classes: int, fingerprint: dic
         return None
     pt, meta_path = paths(dataset, data_root, sig)
     try:
-        pt.parent.mkdir(parents=True, exist_ok=True)
         digest = {}
 
         def write(tmp: Path) -> None:
@@ -129,11 +130,11 @@ def store(dataset: str, data_root: str, x, y, num_classes: int, fingerprint: dic
 
         atomic_write(pt, write)
         meta = {"format": FORMAT, "signature": sig, "file_size": digest["size"], "file_sha256": digest["sha256"],
-                "num_samples": int(len(y)), "num_classes": int(num_classes),
+                "num_samples": int(len(y)), "num_classes": int(num_classes), "classes": list(classes),
                 "native_shape": [int(d) for d in x.shape[1:]], "dtype": str(x.dtype).removeprefix("torch."),
                 "sha256": fingerprint["sha256"]}
         atomic_write(meta_path, lambda tmp: tmp.write_text(json.dumps(meta, indent=1)))
-    except OSError:
+    except OSError:  # not DiskFull (a UserError): a full disk stops the run here, not at its first save
         return None
     return pt
 
@@ -141,8 +142,6 @@ def store(dataset: str, data_root: str, x, y, num_classes: int, fingerprint: dic
 def load(path: str):
     """(x, y, num_classes) from a prepared file; weights_only: tensors and ints, nothing else."""
     import torch
-
-    from .data import DatasetError
 
     try:
         d = torch.load(path, map_location="cpu", weights_only=True)

@@ -9,5 +9,13 @@ class UserError(Exception):
     """Bad input: the message says which value is wrong and what to do instead."""
 
 
+class DatasetError(UserError):
+    """A dataset cannot be found, read or trained on; the message says where it looked and what to do."""
+
+
+class DiskFull(UserError):
+    """A write failed for lack of space (or quota); the message names the path and the fix."""
+
+
 class TrainingDiverged(RuntimeError):
     """The loss stopped being a finite number; the message names the epoch and what to try."""

@@ -20,6 +20,7 @@ import sys
 import torch
 from torch import nn
 
+from .cardlock import hold_card_locks
 from .checkpoint import CheckpointError, load_file, load_model_state
 from .config import TrainConfig
 from .data import TensorData, load_data
@@ -111,6 +112,7 @@ def main(argv=None) -> int:
     p.add_argument("--data-root")
     a = p.parse_args(argv)
     try:
+        hold_card_locks()  # before the card is touched: no new run gets it until this process is gone
         res = (predict(a.checkpoint, a.inputs, a.device) if a.inputs else
                evaluate(a.checkpoint, a.split, a.device, dataset=a.dataset, data_root=a.data_root))
     except UserError as e:

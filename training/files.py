@@ -2,16 +2,43 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import tempfile
 from pathlib import Path
 from typing import Callable
 
+from .errors import DiskFull
+
+FULL = (errno.ENOSPC, errno.EDQUOT)
+
 
 def atomic_write(path: str | Path, write: Callable[[Path], None], mode: int = 0o644) -> Path:
-    """Call write(tmp) on a temp file beside `path`, fsync it, then rename it over `path`."""
+    """Call write(tmp) on a temp file beside `path`, fsync it, then rename it over `path`.
+
+    On any failure the temp file is removed; a full disk (or quota) raises DiskFull naming `path`.
+    """
     path = Path(path)
+    try:
+        return _write_and_rename(path, write, mode)
+    except Exception as e:
+        if (full := _disk_full(e)) is None:
+            raise
+        raise DiskFull(f"disk full: cannot write {str(path)!r} ({full.strerror}); free space on that disk, "
+                       "or point data_root / runs_dir at another one") from None
+
+
+def _disk_full(e: BaseException | None) -> OSError | None:
+    """The ENOSPC/EDQUOT error in `e`'s chain (torch.save re-raises a failed write as a RuntimeError)."""
+    while e is not None:
+        if isinstance(e, OSError) and e.errno in FULL:
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _write_and_rename(path: Path, write: Callable[[Path], None], mode: int) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)

@@ -296,6 +296,11 @@ class Trainer:
             "history": self.history,
         }
 
+    def input_example(self, n: int = 2):
+        """The first `n` validation inputs as a float32 array: the registered model's example."""
+        xs = [self.bundle.val[i][0] for i in range(min(n, len(self.bundle.val)))]
+        return torch.stack(xs).float().cpu().numpy()
+
     def _say(self, msg: str) -> None:
         if self.ctx.is_main:
             print(f"[rank 0] {msg}", flush=True)

@@ -1,0 +1,48 @@
+"""Where gpuflow's servers listen and when it retrains: settings with defaults, each one
+overridable by a `GPUFLOW_<NAME>` environment variable (e.g. GPUFLOW_PREFECT_PORT=4300).
+
+    gpuflow server   a Prefect server (API and UI) on prefect_host:prefect_port
+    gpuflow serve    the deployments, served against that server
+    gpuflow ui       the MLflow UI on mlflow_host:mlflow_port over the tracking store
+
+Every address defaults to 127.0.0.1: reachable from another machine only when set so, knowingly.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+LOOPBACK = "127.0.0.1"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="GPUFLOW_")
+
+    prefect_host: str = Field(LOOPBACK, description="address of the Prefect server (`gpuflow server`); "
+                              "the served deployments connect to it")
+    prefect_port: int = Field(4200, ge=1, le=65535, description="port of the Prefect server")
+    mlflow_host: str = Field(LOOPBACK, description="address of the MLflow UI (`gpuflow ui`)")
+    mlflow_port: int = Field(5000, ge=1, le=65535, description="port of the MLflow UI")
+    retrain_cron: str = Field("0 2 * * *", description="schedule of the served retrain/nightly deployment")
+    timezone: str = Field("UTC", description="time zone of retrain_cron")
+
+    @property
+    def prefect_api_url(self) -> str:
+        return f"http://{self.prefect_host}:{self.prefect_port}/api"
+
+    @property
+    def mlflow_ui_url(self) -> str:
+        return f"http://{self.mlflow_host}:{self.mlflow_port}"
+
+
+def server_command(s: Settings) -> list[str]:
+    return [sys.executable, "-m", "prefect", "server", "start", "--host", s.prefect_host,
+            "--port", str(s.prefect_port)]
+
+
+def ui_command(s: Settings, tracking_uri: str) -> list[str]:
+    return [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", tracking_uri,
+            "--host", s.mlflow_host, "--port", str(s.mlflow_port)]

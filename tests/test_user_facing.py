@@ -1,0 +1,155 @@
+"""What a user sees and finds: one line for bad input (also inside the flow), quiet default
+output, run names and sources, grouped timings, a described registered version, settings."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import mlflow
+import numpy as np
+import pytest
+from pydantic import ValidationError
+
+from gpuflow.flows import cli
+from gpuflow.flows.params import PipelineParams
+from gpuflow.flows.settings import Settings, server_command, ui_command
+from gpuflow.tasks.probe import read_environment
+from gpuflow.tasks.results import NOT_COMPARED, OUTCOME_TAG
+from tests.helpers import ROOT
+
+GPUFLOW = ROOT / ".venv" / "bin" / "gpuflow"
+
+# (parameters, what the one line must name): every rule sits with its parameter's declaration.
+BAD = [
+    (dict(lr=float("nan")), "lr=nan: Input should be a finite number"),
+    (dict(lr=float("inf")), "lr=inf: Input should be a finite number"),
+    (dict(lr=1e6), "lr=1000000.0: Input should be less than or equal to 10"),
+    (dict(epochs=10**30), "Input should be less than or equal to 100000"),
+    (dict(epochs=0), "epochs=0: Input should be greater than or equal to 1"),
+    (dict(seed=2**40), "seed=1099511627776: Input should be less than or equal to 4294967295"),
+    (dict(val_fraction=1.0), "val_fraction=1.0: Input should be less than 1"),
+    (dict(rdzv_timeout_s=1), "rdzv_timeout_s=1: Input should be greater than or equal to 10"),
+    (dict(dist_timeout_s=0.5), "dist_timeout_s=0.5: Input should be greater than or equal to 10"),
+    (dict(cpu_processes=(os.cpu_count() or 1) + 1), f"more than the {os.cpu_count()} CPUs of this host"),
+    (dict(num_workers=(os.cpu_count() or 1) * 4), f"more than the {os.cpu_count()} CPUs of this host"),
+    (dict(dataset="synthetic", synthetic_size=10_000_000, synthetic_side=512), "lower synthetic_size"),
+    (dict(experiment="../../outside"), "experiment='../../outside': not a usable name"),
+    (dict(experiment="a/b"), "experiment='a/b': not a usable name"),
+    (dict(registered_model="it's"), "registered_model=\"it's\": not a usable name"),
+    (dict(run_name="x" * 101), "run_name="),
+    (dict(tracking_uri="mlflow.db"), "not an MLflow tracking URI; use e.g. sqlite:///"),
+    (dict(nnodes=2, rdzv_endpoint="nohost"), "rdzv_endpoint='nohost': not host:port"),
+]
+
+
+@pytest.mark.parametrize("values,message", BAD, ids=[next(iter(v)) for v, _ in BAD])
+def test_bad_parameters_are_refused_in_one_line_naming_the_value(values, message):
+    with pytest.raises(ValidationError) as e:
+        PipelineParams(**values)
+    line = cli.one_line(e.value)
+    assert "\n" not in line and message in line
+
+
+def test_good_names_pass():
+    p = PipelineParams(experiment="My experiment 2", registered_model="resnet.v2_final-1", run_name="try 3")
+    assert (p.experiment, p.run_name) == ("My experiment 2", "try 3")
+
+
+def _gpuflow(args: list[str], cwd: Path, api: str | None, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_API"))}
+    if api:
+        env["PREFECT_API_URL"] = api
+    return subprocess.run([str(GPUFLOW), *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def api_url(prefect_api):
+    from prefect.settings import PREFECT_API_URL
+
+    return PREFECT_API_URL.value()
+
+
+def test_a_bad_value_on_the_command_line_is_one_line_before_prefect_starts(tmp_path):
+    out = _gpuflow(["run", "--lr", "nan", "--experiment", "../x"], tmp_path, api=None)
+    assert out.returncode == 2
+    assert out.stderr.strip().count("\n") == 0, out.stderr
+    assert "lr=nan" in out.stderr and "experiment='../x'" in out.stderr
+    assert list(tmp_path.iterdir()) == []  # no store, no runs folder
+
+
+def test_a_refusal_inside_the_flow_is_one_line_with_no_traceback_and_nothing_created(tmp_path, api_url):
+    out = _gpuflow(["run", "--gpus", "7,", "--epochs", "1"], tmp_path, api_url)
+    assert out.returncode == 2, out.stderr
+    message = "gpus=7, asks for GPUs but none are usable"
+    assert "Traceback" not in out.stderr and out.stderr.count(message) == 1, out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith("gpuflow run: " + message)
+    assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "runs").exists()
+
+
+@pytest.fixture(scope="module")
+def default_run(api_url, tmp_path_factory):
+    """`gpuflow run` on its defaults (one epoch), as a user starts it, against the session server."""
+    cwd = tmp_path_factory.mktemp("user")
+    out = _gpuflow(["run", "--epochs", "1"], cwd, api_url)
+    assert out.returncode == 0, out.stderr[-3000:]
+    mlflow.set_tracking_uri(f"sqlite:///{cwd / 'mlflow.db'}")
+    return out, mlflow.MlflowClient()
+
+
+def test_default_output_is_progress_and_result_only(default_run):
+    out, _ = default_run
+    for noise in ("Concurrency limits", "OMP_NUM_THREADS", "Warning", "Traceback", "Downloading artifacts",
+                  "Successfully registered", "system_metrics", "Creating initial MLflow database"):
+        assert noise not in out.stderr, (noise, out.stderr)
+    assert "epoch 1/1" in out.stderr and '"status": "FINISHED"' in out.stdout
+
+
+def test_runs_are_named_apart_with_the_command_as_source_and_timings_grouped(default_run):
+    _, client = default_run
+    [run] = client.search_runs([client.get_experiment_by_name("gpuflow").experiment_id])
+    assert re.fullmatch(r"mlp-digits-(ddp-x2|single-x1)-[0-9a-f]{6}", run.info.run_name), run.info.run_name
+    assert run.data.tags["mlflow.source.name"] == "gpuflow run"
+    timings = [k for k in run.data.metrics if "_s" in k and k.startswith("pipeline")]
+    assert timings and all(k.startswith("pipeline/") for k in timings), timings
+    assert {"train_loss", "val_loss", "val_accuracy"} <= set(run.data.metrics)
+
+
+def test_the_registered_version_has_signature_example_description_and_outcome(default_run, tmp_path):
+    _, client = default_run
+    [version] = client.search_model_versions("name='gpuflow-model'")
+    assert version.tags[OUTCOME_TAG] == NOT_COMPARED
+    assert "mlp trained on digits" in version.description and "val_accuracy" in version.description
+    local = mlflow.artifacts.download_artifacts(f"models:/gpuflow-model/{version.version}", dst_path=str(tmp_path))
+    info = mlflow.models.Model.load(local)
+    example = info.load_input_example(local)
+    assert info.signature is not None and example.shape == (2, 1, 28, 28) and example.dtype == np.float32
+    assert example.std() > 0  # real validation samples, not zeros
+    scores = mlflow.pyfunc.load_model(local).predict(example)
+    assert scores.shape == (2, 10)
+
+
+def test_probe_never_prints_none_and_says_why(capsys):
+    report = read_environment()
+    cli.print_report(report)
+    printed = capsys.readouterr().out
+    assert "None" not in printed
+    for name in ("driver", "torch", "cuda", "cudnn", "nccl"):
+        if getattr(report, f"{name}_version") is None:
+            assert report.unknown[name] and f"unknown ({report.unknown[name]}" in " ".join(printed.split())
+
+
+def test_server_addresses_are_settings_defaulting_to_loopback(monkeypatch):
+    s = Settings()
+    assert (s.prefect_host, s.prefect_port, s.mlflow_host, s.mlflow_port) == ("127.0.0.1", 4200, "127.0.0.1", 5000)
+    assert server_command(s)[-4:] == ["--host", "127.0.0.1", "--port", "4200"]
+    monkeypatch.setenv("GPUFLOW_MLFLOW_PORT", "5123")
+    monkeypatch.setenv("GPUFLOW_PREFECT_HOST", "10.1.2.3")
+    s = Settings()
+    assert ui_command(s, "sqlite:///x.db")[-4:] == ["--host", "127.0.0.1", "--port", "5123"]
+    assert s.prefect_api_url == "http://10.1.2.3:4200/api"
+    for target in ("server", "serve", "ui"):  # the Makefile goes through the settings, not its own values
+        assert f".venv/bin/gpuflow {target}\n" in (ROOT / "Makefile").read_text()

@@ -1,0 +1,33 @@
+"""Every process that uses a card holds it until it exits, so a new run never gets a card that
+a process of an ended run still uses (a rank finishing a collective, memory not yet freed).
+
+The flow that holds a card's run lock names the card's `<uuid>.ranks` files in
+GPUFLOW_CARD_LOCKS (os.pathsep-separated); each process it starts takes a shared flock on
+them, which the kernel drops when the process exits, however it ends. Without the variable
+(a worker started by hand or by a test) this does nothing.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+
+from .errors import UserError
+
+CARD_LOCKS_ENV = "GPUFLOW_CARD_LOCKS"
+
+
+def hold_card_locks(environ: dict | None = None) -> list[int]:
+    """Take a shared flock on each file named in GPUFLOW_CARD_LOCKS, for the life of this
+    process; the open descriptors (never closed: closing one would drop its lock)."""
+    names = (os.environ if environ is None else environ).get(CARD_LOCKS_ENV, "")
+    fds = []
+    for path in filter(None, names.split(os.pathsep)):
+        try:
+            fd = os.open(path, os.O_RDONLY)  # a shared flock needs no write access
+        except FileNotFoundError:
+            raise UserError(f"{CARD_LOCKS_ENV} names {path}, which does not exist; gpuflow sets it for the "
+                            "processes it starts: unset it to run this by hand") from None
+        fcntl.flock(fd, fcntl.LOCK_SH)  # waits only while a starting run probes the card, an instant
+        fds.append(fd)
+    return fds
