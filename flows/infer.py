@@ -15,7 +15,8 @@ from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
 from gpuflow.tasks import store
-from gpuflow.tasks.assign import card_locks, one_device_plan
+from gpuflow.tasks.assign import one_device_plan
+from gpuflow.tasks.cards import card_locks
 from gpuflow.tasks.probe import probe_environment, read_environment
 from gpuflow.tasks.registry import checkpoint_of, evaluate_checkpoint, resolve_version, run_on_device
 

@@ -58,7 +58,24 @@ TrackingUri = Annotated[str | None, AfterValidator(check_tracking_uri),
                               "sqlite:///<working directory>/mlflow.db)")]
 Name = Annotated[str, AfterValidator(check_name)]
 RegisteredModel = Annotated[Name, Field(description="Model Registry name")]
-Version = Annotated[str, Field(description="a registered version number, or 'champion'")]
+def check_version(v: str) -> str:
+    if not (v.isdigit() and int(v) > 0) and v != "champion":
+        raise ValueError("not a version: use a registered version number (1, 2, ...) or 'champion'")
+    return v
+
+
+def check_file(v: str | None) -> str | None:
+    """A file the command reads, made absolute (the evaluation child runs elsewhere)."""
+    if v is None:
+        return v
+    path = Path(v).expanduser().resolve()
+    if not path.is_file():
+        raise ValueError(f"no such file ({path}); check the path")
+    return str(path)
+
+
+Version = Annotated[str, AfterValidator(check_version), Field(description="a registered version number, or 'champion'")]
+InputFile = Annotated[str | None, AfterValidator(check_file)]
 
 # Worker fields the flow sets from the device plan and the run's folder, never the user.
 PLAN_OWNED = ("device", "device_ids", "checkpoint_dir", "data_cache")
@@ -157,7 +174,7 @@ class EvaluateParams(BaseModel):
 
     registered_model: RegisteredModel = "gpuflow-model"
     version: Version = "champion"
-    checkpoint: str | None = Field(None, description="evaluate this checkpoint file instead of a registered version")
+    checkpoint: InputFile = Field(None, description="evaluate this checkpoint file instead of a registered version")
     gpus: Gpus = "auto"
     split: Literal["val", "all"] = Field("val", description="the held-out split training used, or all samples")
     dataset: str | None = Field(None, description="evaluate on another dataset than the one trained on")
@@ -168,10 +185,11 @@ class EvaluateParams(BaseModel):
 class InferParams(BaseModel):
     """Predictions of a registered version (or a checkpoint file) for a file of inputs, on one device."""
 
-    inputs: str = Field(description="a .pt file holding {'inputs': tensor of N samples}")
+    inputs: Annotated[str, AfterValidator(check_file)] = Field(
+        description="a .pt file holding {'inputs': tensor of N samples}")
     registered_model: RegisteredModel = "gpuflow-model"
     version: Version = "champion"
-    checkpoint: str | None = Field(None, description="use this checkpoint file instead of a registered version")
+    checkpoint: InputFile = Field(None, description="use this checkpoint file instead of a registered version")
     gpus: Gpus = "auto"
     output: str | None = Field(None, description="write the predictions JSON here (default: print it)")
     tracking_uri: TrackingUri = None

@@ -11,7 +11,8 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from gpuflow.tasks import store
-from gpuflow.tasks.assign import card_locks, device_slot, one_device_plan
+from gpuflow.tasks.assign import one_device_plan
+from gpuflow.tasks.cards import card_locks, device_slot
 from gpuflow.tasks.probe import probe_environment
 from gpuflow.tasks.registry import champion_version, evaluate_version, promote
 from gpuflow.tasks.results import OUTCOME_TAG

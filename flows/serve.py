@@ -19,7 +19,7 @@ from prefect import serve
 from prefect.deployments.runner import EntrypointType
 from prefect.schedules import Cron
 
-from gpuflow.tasks.assign import DEVICE_LIMIT
+from gpuflow.tasks.cards import DEVICE_LIMIT
 
 from .infer import evaluate_model
 from .retrain import retrain

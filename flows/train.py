@@ -17,7 +17,8 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import deployment, flow_run
 
 from gpuflow.tasks import orphans, results, store, tracking
-from gpuflow.tasks.assign import DevicePlan, assign_devices, card_locks, device_slot
+from gpuflow.tasks.assign import DevicePlan, assign_devices
+from gpuflow.tasks.cards import card_locks, device_slot
 from gpuflow.tasks.data import DatasetInfo, prepare_dataset
 from gpuflow.tasks.launch import launch_training, preflight
 from gpuflow.tasks.probe import EnvironmentReport, probe_environment

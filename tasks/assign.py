@@ -7,24 +7,16 @@ the logical ids are always 0..n-1 and logical 0 is the primary card. Nothing her
 
 from __future__ import annotations
 
-import fcntl
-import logging
 import os
-import pwd
-import socket
-import tempfile
-import time
-from contextlib import contextmanager, nullcontext
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Literal, Protocol
 
 from prefect import task
-from prefect.concurrency.sync import concurrency
 from pydantic import BaseModel
 
 from gpuflow.training.errors import UserError
 
+from .cards import CardLocks
 from .probe import EnvironmentReport, GpuInfo
 
 
@@ -211,182 +203,6 @@ def _check_batch_and_precision(plan: DevicePlan, report: EnvironmentReport, batc
             raise AssignmentError(f"precision 'bf16' needs compute capability >= 8.0 but GPU "
                                   f"{old[0].index} ({old[0].name}) has {old[0].compute_capability}; "
                                   "use 'fp16' or 'fp32'")
-
-
-# --- one run per card at a time --------------------------------------------------------
-
-RANKS_WAIT_S = 30.0  # how long a run waits for the processes of an ended run to leave a card
-DEVICE_LIMIT = "gpuflow-devices-{host}"  # this host's device-holding served runs queue on it (flows/serve.py)
-log = logging.getLogger(__name__)
-
-
-class CardLockError(UserError):
-    """A card lock file or its folder cannot be used by this user; the message says how to fix it."""
-
-
-def lock_dir() -> Path:
-    return Path(os.environ.get("GPUFLOW_LOCK_DIR", Path(tempfile.gettempdir()) / "gpuflow-locks"))
-
-
-def _user(uid: int) -> str:
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return str(uid)
-
-
-def _make_shared_dir(folder: Path) -> None:
-    """Create the lock folder writable by every user (sticky: nobody removes another's file)."""
-    try:
-        folder.mkdir(parents=True)
-    except FileExistsError:
-        return
-    except PermissionError:
-        raise CardLockError(f"cannot create the card lock folder {folder}; set GPUFLOW_LOCK_DIR to a "
-                            "folder every gpuflow user of this machine can write") from None
-    os.chmod(folder, 0o1777)  # mkdir's mode is cut by the umask
-
-
-def _open_shared(path: Path) -> int:
-    """Open a lock file that every user of the machine can open too (created mode 0666)."""
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
-    except FileExistsError:
-        pass
-    except PermissionError:
-        st = path.parent.stat()
-        raise CardLockError(f"cannot create {path}: the lock folder belongs to {_user(st.st_uid)} with mode "
-                            f"{st.st_mode & 0o7777:o}; have its owner run `chmod 1777 {path.parent}`") from None
-    else:
-        os.fchmod(fd, 0o666)  # whatever this process's umask
-        return fd
-    try:  # no O_CREAT: with fs.protected_regular it is refused on another user's file in a sticky folder
-        return os.open(path, os.O_RDWR)
-    except PermissionError:
-        st = path.stat()
-        raise CardLockError(f"card lock file {path} belongs to {_user(st.st_uid)} with mode "
-                            f"{st.st_mode & 0o777:o} and this user cannot open it; have its owner run "
-                            f"`chmod 666 {path}` (or remove it)") from None
-
-
-class CardLocks:
-    """A card is held by its run's exclusive flock on `<uuid>.lock` (the flow, torchrun's agent)
-    and by a shared flock on `<uuid>.ranks` from every process that uses it (each rank, an
-    evaluation: training/cardlock.py). The kernel drops both when a holder exits, even on a crash."""
-
-    def __init__(self, folder: Path | None = None, ranks_wait_s: float = RANKS_WAIT_S):
-        self.folder = folder or lock_dir()
-        self.ranks_wait_s = ranks_wait_s
-        self._fds: list[int] = []
-
-    def path(self, uuid: str, kind: str = "lock") -> Path:
-        return self.folder / f"{uuid.replace('/', '_')}.{kind}"
-
-    def held_elsewhere(self, report: EnvironmentReport) -> set[int]:
-        """Physical ids another run holds right now, or whose ended run's processes outlive the wait."""
-        deadline = time.monotonic() + self.ranks_wait_s  # one wait for all cards: they drain together
-        out = set()
-        for g in report.gpus:
-            if self.try_lock(g.uuid, deadline):
-                self.release()
-            else:
-                out.add(g.index)
-        return out
-
-    def try_lock(self, uuid: str, deadline: float | None = None) -> bool:
-        """Take the card unless another run holds it; first wait (until `deadline`, by default
-        ranks_wait_s from now) for processes of an ended run that still use it."""
-        _make_shared_dir(self.folder)
-        fd = _open_shared(self.path(uuid))
-        free = False
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            free = self._users_gone(uuid, time.monotonic() + self.ranks_wait_s if deadline is None else deadline)
-        except BlockingIOError:
-            pass  # another run holds it
-        finally:
-            if not free:
-                os.close(fd)
-        if free:
-            os.ftruncate(fd, 0)
-            os.write(fd, f"{os.getpid()} {_user(os.getuid())}\n".encode())  # who holds it, for a person looking
-            self._fds.append(fd)
-        return free
-
-    def _users_gone(self, uuid: str, deadline: float) -> bool:
-        """True once no process holds the card's shared `.ranks` lock (probed, not kept)."""
-        fd = _open_shared(self.path(uuid, "ranks"))
-        try:
-            waited = False
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    return True  # closing fd drops the probe at once
-                except BlockingIOError:
-                    if time.monotonic() >= deadline:
-                        return False
-                if not waited:
-                    log.warning("card %s: waiting up to %.0f s for the processes of an ended gpuflow run "
-                                "to exit", uuid, max(0.0, deadline - time.monotonic()))
-                    waited = True
-                time.sleep(0.1)
-        finally:
-            os.close(fd)
-
-    def acquire(self, plan: DevicePlan) -> None:
-        deadline = time.monotonic() + self.ranks_wait_s
-        for uuid, pid in zip(plan.uuids, plan.physical_ids, strict=True):
-            if not self.try_lock(uuid, deadline):
-                self.release()
-                raise AssignmentError(f"physical GPU {pid} was just taken by another gpuflow run; retry")
-
-    @property
-    def fds(self) -> tuple[int, ...]:
-        """The held locks' descriptors: a child given them holds the cards until it exits too."""
-        return tuple(self._fds)
-
-    def release(self) -> None:
-        for fd in self._fds:
-            os.close(fd)  # closing the descriptor drops the flock
-        self._fds.clear()
-
-
-def rank_lock_files(plan: DevicePlan) -> list[Path]:
-    """The `.ranks` files of the plan's cards, which each process using them holds (shared)."""
-    return [CardLocks().path(uuid, "ranks") for uuid in plan.uuids]
-
-
-@contextmanager
-def card_locks(plan: DevicePlan):
-    """Hold the plan's cards for the block (the kernel drops the locks if this process dies)."""
-    locks = CardLocks()
-    locks.acquire(plan)
-    try:
-        yield locks
-    finally:
-        locks.release()
-
-
-@contextmanager
-def device_slot():
-    """One slot of this host's device limit for the block: served runs that use devices queue
-    here. Without the limit (flows/serve.py creates it), as with a plain `gpuflow run`, this
-    passes quietly (Prefect's own fallback warns on every run)."""
-    name = DEVICE_LIMIT.format(host=socket.gethostname())
-    with concurrency(name, occupy=1) if _limit_exists(name) else nullcontext():
-        yield
-
-
-def _limit_exists(name: str) -> bool:
-    from prefect.client.orchestration import get_client
-    from prefect.exceptions import ObjectNotFound
-
-    with get_client(sync_client=True) as client:
-        try:
-            client.read_global_concurrency_limit_by_name(name)
-            return True
-        except ObjectNotFound:
-            return False
 
 
 def one_device_plan(report: EnvironmentReport, gpus: str) -> DevicePlan:

@@ -28,7 +28,8 @@ from prefect.cache_policies import NO_CACHE
 from gpuflow.training.errors import UserError
 from gpuflow.training.lifetime import die_with_parent
 
-from .assign import DevicePlan, rank_lock_files
+from .assign import DevicePlan
+from .cards import rank_lock_files
 
 TAIL_LINES = 40
 WORKER_ERROR = re.compile(r"\[rank \d+\] error: (.*)")  # how training/__main__.py reports a refusal
@@ -161,20 +162,21 @@ def _terminate(proc: subprocess.Popen, grace: float = 10.0) -> None:
 def child_environment(plan: DevicePlan, metrics_file: Path | None = None) -> dict:
     """The plan's device variables, where global rank 0 appends its per-epoch metrics, and the
     cards' lock files that every process of the child holds while it lives (training/cardlock.py)."""
-    from gpuflow.training.cardlock import CARD_LOCKS_ENV
+    from gpuflow.training.cardlock import CARD_LOCKS_ENV, OWNER_ENV
     from gpuflow.training.metrics import METRICS_FILE_ENV
 
     env = plan.child_environ()
     env["PYTHONUNBUFFERED"] = "1"
     if plan.nproc_per_node > 1:  # torchrun's own default, set here so it does not print its banner
         env.setdefault("OMP_NUM_THREADS", "1")
-    for inherited in ("MLFLOW_RUN_ID", METRICS_FILE_ENV, CARD_LOCKS_ENV):  # the ranks never talk to MLflow;
+    for inherited in ("MLFLOW_RUN_ID", METRICS_FILE_ENV, CARD_LOCKS_ENV, OWNER_ENV):  # the ranks never talk to MLflow;
         # the others are this child's own, set below
         env.pop(inherited, None)
     if metrics_file:
         env[METRICS_FILE_ENV] = str(metrics_file)
     if plan.uuids:  # the caller holds card_locks(plan), which made these files
         env[CARD_LOCKS_ENV] = os.pathsep.join(map(str, rank_lock_files(plan)))
+        env[OWNER_ENV] = str(os.getpid())
     return env
 
 

@@ -25,10 +25,10 @@ import torch
 from gpuflow.flows import infer
 from gpuflow.flows.params import InferParams
 from gpuflow.tasks import registry
-from gpuflow.tasks.assign import CardLocks
+from gpuflow.tasks.cards import CardLocks
 from gpuflow.tasks.probe import EnvironmentReport, GpuInfo
 from gpuflow.training import TrainConfig
-from gpuflow.training.cardlock import CARD_LOCKS_ENV, hold_card_locks
+from gpuflow.training.cardlock import CARD_LOCKS_ENV, OWNER_ENV, hold_card_locks
 from gpuflow.training.errors import UserError
 from gpuflow.training.models import SimpleNN
 from tests.helpers import ROOT, child_env
@@ -82,7 +82,7 @@ def held(path: Path) -> bool:
 DRIVER = textwrap.dedent("""
     import sys
     from pathlib import Path
-    from gpuflow.tasks.assign import CardLocks
+    from gpuflow.tasks.cards import CardLocks
     locks = CardLocks(Path(sys.argv[1]), ranks_wait_s=0)
     for line in sys.stdin:
         cmd, _, uuid = line.strip().partition(" ")
@@ -101,7 +101,7 @@ def python_as_nobody(home: Path) -> list[str] | None:
     for exe in (sys.executable, f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}"):
         cmd = ["runuser", "-u", "nobody", "--", "env", f"HOME={home}", f"PREFECT_HOME={home / 'prefect'}",
                exe, "-c", boot]
-        probe = cmd[:-1] + [boot + "import gpuflow.tasks.assign"]
+        probe = cmd[:-1] + [boot + "import gpuflow.tasks.cards"]
         if shutil.which(exe) and subprocess.run(probe, capture_output=True, cwd=home).returncode == 0:
             return cmd
     return None
@@ -231,7 +231,8 @@ RANK = textwrap.dedent("""
 FLOW = textwrap.dedent(f"""
     import logging, sys
     from pathlib import Path
-    from gpuflow.tasks.assign import DevicePlan, card_locks
+    from gpuflow.tasks.assign import DevicePlan
+    from gpuflow.tasks.cards import card_locks
     from gpuflow.tasks.launch import child_environment, run_child
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
     plan = DevicePlan(strategy="ddp", backend="gloo", device="cuda", nproc_per_node=1, physical_ids=[0],
@@ -303,3 +304,15 @@ def test_gpuflow_infer_holds_its_card_while_its_evaluation_runs(tmp_path, monkey
     assert "gpuflow.training.evaluate" in seen["cmd"]  # the child itself holds the card...
     assert seen["run lock held"]  # ...and so does the command, while the child runs
     assert CardLocks(ranks_wait_s=0).try_lock(UUID)  # both let go at the end
+
+
+def test_a_process_started_after_its_run_ended_leaves_the_card_alone(tmp_path):
+    """A rank whose agent died while it started cannot ask to die with it; it finds the run's
+    flow gone once it holds the card's lock, and exits before touching the card."""
+    ranks = tmp_path / "GPU-0.ranks"
+    ranks.touch()
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    with pytest.raises(SystemExit, match=f"pid {gone.pid}.*has ended"):
+        hold_card_locks({CARD_LOCKS_ENV: str(ranks), OWNER_ENV: str(gone.pid)})
+    assert hold_card_locks({CARD_LOCKS_ENV: str(ranks), OWNER_ENV: str(os.getpid())})  # owner alive: held

@@ -15,7 +15,8 @@ import pytest
 from pydantic import ValidationError
 
 from gpuflow.flows.params import PipelineParams
-from gpuflow.tasks.assign import AssignmentError, CardLocks, assign_devices_for
+from gpuflow.tasks.assign import AssignmentError, assign_devices_for
+from gpuflow.tasks.cards import CardLockError, CardLocks
 from gpuflow.tasks.probe import EnvironmentReport, GpuInfo, read_environment
 from tests.helpers import ROOT
 
@@ -126,7 +127,7 @@ def test_card_locks_exclude_each_other_and_die_with_their_holder(tmp_path):
     a, b = CardLocks(tmp_path), CardLocks(tmp_path)
     a.acquire(plan)
     assert b.held_elsewhere(FOUR) == {2, 3}
-    with pytest.raises(AssignmentError, match="just taken"):
+    with pytest.raises(CardLockError, match="just taken"):
         b.acquire(plan)
     a.release()
     assert b.held_elsewhere(FOUR) == set()
@@ -134,7 +135,7 @@ def test_card_locks_exclude_each_other_and_die_with_their_holder(tmp_path):
     code = textwrap.dedent(f"""
         import sys, time; sys.path.insert(0, {str(ROOT)!r})
         from pathlib import Path
-        from gpuflow.tasks.assign import CardLocks
+        from gpuflow.tasks.cards import CardLocks
         CardLocks(Path({str(tmp_path)!r})).try_lock("GPU-0001"); print("held", flush=True); time.sleep(60)
     """)
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)

@@ -14,7 +14,7 @@ import pytest
 from pydantic import ValidationError
 
 from gpuflow.flows import cli
-from gpuflow.flows.params import PipelineParams
+from gpuflow.flows.params import EvaluateParams, InferParams, PipelineParams
 from gpuflow.flows.settings import Settings, server_command, ui_command
 from gpuflow.tasks.probe import read_environment
 from gpuflow.tasks.results import NOT_COMPARED, OUTCOME_TAG
@@ -51,6 +51,18 @@ def test_bad_parameters_are_refused_in_one_line_naming_the_value(values, message
         PipelineParams(**values)
     line = cli.one_line(e.value)
     assert "\n" not in line and message in line
+
+
+@pytest.mark.parametrize("model,values,message", [
+    (EvaluateParams, dict(version="latest"), "version='latest': not a version"),
+    (EvaluateParams, dict(version="0"), "version='0': not a version"),
+    (EvaluateParams, dict(checkpoint="missing.pt"), "checkpoint='missing.pt': no such file"),
+    (InferParams, dict(inputs="missing.pt"), "inputs='missing.pt': no such file"),
+])
+def test_evaluate_and_infer_refuse_bad_versions_and_missing_files(model, values, message):
+    with pytest.raises(ValidationError) as e:
+        model(**values)
+    assert message in cli.one_line(e.value)
 
 
 def test_good_names_pass():

@@ -15,6 +15,7 @@ import os
 from .errors import UserError
 
 CARD_LOCKS_ENV = "GPUFLOW_CARD_LOCKS"
+OWNER_ENV = "GPUFLOW_CARD_OWNER"  # pid of the flow holding the cards' run locks
 
 
 def hold_card_locks(environ: dict | None = None) -> list[int]:
@@ -30,4 +31,19 @@ def hold_card_locks(environ: dict | None = None) -> list[int]:
                             "processes it starts: unset it to run this by hand") from None
         fcntl.flock(fd, fcntl.LOCK_SH)  # waits only while a starting run probes the card, an instant
         fds.append(fd)
+    owner = (os.environ if environ is None else environ).get(OWNER_ENV)
+    if fds and owner and not _alive(int(owner)):
+        # The run that held the cards ended while this process started (its parent gone before
+        # it could ask to die with it): a new run may own the cards now, so touch nothing.
+        raise SystemExit(f"the gpuflow run (pid {owner}) that holds this process's cards has ended; exiting")
     return fds
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
