@@ -50,7 +50,7 @@ def test_first_retrain_promotes_and_a_worse_challenger_does_not(retrained):
     assert float(second["retrain.challenger_score"]) < float(second["retrain.champion_score"])
     tags = client.get_run(second["run_id"]).data.tags
     assert tags["retrain.decision"] == "kept champion" and tags["retrain.champion_version"] == "1"
-    outcomes = {v.version: v.tags[OUTCOME_TAG] for v in client.search_model_versions("name='gpuflow-model'")}
+    outcomes = {str(v.version): v.tags[OUTCOME_TAG] for v in client.search_model_versions("name='gpuflow-model'")}
     assert outcomes[first["retrain.challenger_version"]].startswith("promoted: accuracy ")
     assert re.fullmatch(r"rejected: accuracy 0\.\d{4} <= champion v1 0\.\d{4}",
                         outcomes[second["retrain.challenger_version"]]), outcomes
