@@ -58,7 +58,7 @@ class TrainConfig(BaseModel):
     synthetic_side: int = Field(28, ge=8, le=512, description="image side of the synthetic dataset")
     epochs: int = Field(3, ge=1, le=MAX_EPOCHS, description="epochs to train")
     batch_size: int = Field(64, ge=1, le=1_000_000, description="global batch size, split across devices")
-    lr: float = Field(1e-3, gt=0, le=10, description="learning rate")
+    lr: float = Field(1e-3, gt=0, description="learning rate")
     optimizer: Literal["adam", "sgd"] = Field("adam", description="adam, or sgd with momentum")
     momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum")
     grad_clip: float = Field(0.0, ge=0, description="max grad norm; 0 disables clipping")
