@@ -12,7 +12,9 @@ from pathlib import Path
 import mlflow
 import pytest
 import torch
+from pydantic import ValidationError
 
+from gpuflow.flows.cli import one_line
 from gpuflow.flows.params import PipelineParams
 from gpuflow.flows.train import train_pipeline
 from gpuflow.tasks.assign import assign_devices_for
@@ -139,9 +141,9 @@ BAD_INPUT = [  # (case, parameters, fake GPU host?, what the user sees)
     ("global batch smaller than devices", dict(gpus="3,2,0,1", strategy="dp", batch_size=2), FAKE4,
      "global batch_size 2 is smaller than the 4 devices of this dp plan"),
     ("fp16 on CPU", dict(precision="fp16"), None, "precision 'fp16' needs CUDA"),
-    ("zero epochs", dict(epochs=0), None, "epochs must be a positive integer, got 0"),
-    ("negative batch size", dict(batch_size=-1), None, "batch_size must be a positive integer, got -1"),
-    ("zero learning rate", dict(lr=0.0), None, "lr must be > 0, got 0.0"),
+    ("zero epochs", dict(epochs=0), None, "epochs=0: Input should be greater than or equal to 1"),
+    ("negative batch size", dict(batch_size=-1), None, "batch_size=-1: Input should be greater than or equal to 1"),
+    ("zero learning rate", dict(lr=0.0), None, "lr=0.0: Input should be greater than 0"),
     ("corrupt checkpoint", dict(resume="ckpt:corrupt"), None, "is corrupt or not a torch file"),
     ("checkpoint of another architecture", dict(resume="ckpt:cnn"), None,
      "does not fit model SimpleNN: missing keys ['fc1.bias', 'fc1.weight', 'fc2.bias', 'fc2.weight']"),
@@ -172,7 +174,8 @@ def test_bad_input_fails_fast_with_a_clear_message(case, params, fake_host, mess
             train_pipeline(**args)
     finally:
         listener.close()
-    assert message.format(**fill) in str(err.value), str(err.value)
+    text = one_line(err.value) if isinstance(err.value, ValidationError) else str(err.value)
+    assert message.format(**fill) in text, text
     _, runs = _runs(store) if Path(store["tracking_uri"][10:]).exists() else (None, [])
     assert all(r.info.status == "FAILED" for r in runs)  # none left RUNNING (none started, here)
     assert not list(Path(store["runs_dir"]).rglob("*.pt")), "no checkpoint may be written"
