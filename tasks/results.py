@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import mlflow
@@ -38,12 +39,13 @@ NOT_COMPARED = "registered, not compared: the retrain flow compares a version wi
 def register_model(run: TrackedRun, result: dict, registered_name: str, num_classes: int,
                    input_shape: list[int], description: str) -> str:
     """Log the checkpoint as a pyfunc model from code (tasks/registered_model.py) and register
-    it; idempotent per run. MLflow checks the model on the run's own input example (a few
-    validation samples the worker saved), so a version that cannot load or predict says so here."""
+    it; idempotent per run. Its input example is a few validation samples the worker saved."""
     from importlib.metadata import version
 
     import numpy as np
+    from mlflow.entities import LoggedModelOutput, LoggedModelStatus
     from mlflow.exceptions import MlflowException
+    from mlflow.models import Model
     from mlflow.models.signature import ModelSignature
     from mlflow.types.schema import Schema, TensorSpec
 
@@ -57,16 +59,26 @@ def register_model(run: TrackedRun, result: dict, registered_name: str, num_clas
                                outputs=Schema([TensorSpec(np.dtype(np.float32), (-1, num_classes))]))
     example = np.load(result["input_example"]) if result.get("input_example") else None
     reqs = [f"{pkg}=={version(pkg).split('+')[0]}" for pkg in ("torch", "torchvision", "mlflow", "numpy")]
-    info = mlflow.pyfunc.log_model(
-        name="model", python_model=str(Path(__file__).with_name("registered_model.py")),
-        artifacts={"checkpoint": result["checkpoint"]}, signature=signature, input_example=example,
-        pip_requirements=reqs)
+    # pyfunc.log_model would also load the model to predict the example, importing torch into
+    # the flow: ~5 s a run on the default job (bench/NOTES.md). So the same steps with public
+    # calls, without that check; tests load each registered model and predict its example.
+    model = mlflow.initialize_logged_model(name="model", source_run_id=run.run_id)
+    with tempfile.TemporaryDirectory() as tmp:
+        mlflow.pyfunc.save_model(
+            Path(tmp) / "model", python_model=str(Path(__file__).with_name("registered_model.py")),
+            artifacts={"checkpoint": result["checkpoint"]}, signature=signature, input_example=example,
+            pip_requirements=reqs,
+            mlflow_model=Model(artifact_path=model.artifact_location, run_id=run.run_id, model_id=model.model_id,
+                               model_uuid=model.model_id))
+        run.client.log_model_artifacts(model.model_id, str(Path(tmp) / "model"))
+    run.client.finalize_logged_model(model.model_id, LoggedModelStatus.READY)
+    run.client.log_outputs(run.run_id, [LoggedModelOutput(model.model_id, step=0)])
     try:
         run.client.create_registered_model(registered_name)
     except MlflowException as e:  # it exists already (or was just created by a concurrent run)
         if e.error_code != "RESOURCE_ALREADY_EXISTS":
             raise
-    mv = run.client.create_model_version(registered_name, info.model_uri, run.run_id, model_id=info.model_id,
+    mv = run.client.create_model_version(registered_name, model.model_uri, run.run_id, model_id=model.model_id,
                                          description=description, tags={OUTCOME_TAG: NOT_COMPARED})
     return str(mv.version)
 
