@@ -82,6 +82,7 @@ def main():
             print(json.dumps({"epoch": epoch + 1, "samples_per_s": seen * world / elapsed,
                               "loss": loss.item()}), flush=True)
     if ddp:
+        dist.barrier()  # leave together: a rank tearing gloo down early can abort (SIGABRT) the other
         dist.destroy_process_group()
 
 
