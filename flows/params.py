@@ -103,8 +103,8 @@ class PipelineParams(TrainConfig):
         None, description="host:port of node 0's rendezvous (multi-node)")
     rdzv_timeout_s: int = Field(300, ge=10, le=86_400, description="fail when not every node arrives in time")
     experiment: Name = Field("gpuflow", description="MLflow experiment name")
-    run_name: Name | None = Field(None, description="the MLflow and Prefect run name (default: "
-                                  "<model>-<dataset>-<strategy>-x<world size>-<unique suffix>)")
+    run_name: Name | None = Field(None, description="the MLflow and Prefect run name; unset, it is "
+                                  "<model>-<dataset>-<strategy>-x<world size>-<unique suffix>")
     registered_model: RegisteredModel = "gpuflow-model"
     tracking_uri: TrackingUri = None
     runs_dir: str = Field("runs", description="folder for per-run configs, checkpoints and logs")
