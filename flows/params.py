@@ -151,12 +151,16 @@ class PipelineParams(TrainConfig):
         fields["data_cache"] = data_cache
         return TrainConfig(**fields)
 
+    def world_size(self, plan: DevicePlan) -> int:
+        """Processes in the whole job: the plan's per node, times the nodes."""
+        return plan.nproc_per_node * self.nnodes
+
     def run_params(self, config: TrainConfig, plan: DevicePlan) -> dict:
         """The MLflow run's params: the worker's config as it ran, plus the launch's settings."""
         launch = {k: v for k, v in self.model_dump(mode="json").items()
                   if k not in TrainConfig.model_fields and k not in RECORD_KEEPING}
         return {**launch, "backend": plan.backend, "nproc_per_node": plan.nproc_per_node,
-                "world_size": plan.nproc_per_node * self.nnodes, **config.to_dict()}
+                "world_size": self.world_size(plan), **config.to_dict()}
 
 
 class RetrainParams(PipelineParams):

@@ -19,7 +19,7 @@ from prefect import serve
 from prefect.deployments.runner import EntrypointType
 from prefect.schedules import Cron
 
-from gpuflow.tasks.cards import DEVICE_LIMIT
+from gpuflow.tasks.cards import DEVICE_LIMIT, limit_exists
 
 from .infer import evaluate_model
 from .retrain import retrain
@@ -50,10 +50,8 @@ def ensure_device_limit(limit: int = 1) -> str:
     from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
 
     name = DEVICE_LIMIT.format(host=socket.gethostname())
-    with get_client(sync_client=True) as client:
-        try:
-            client.read_global_concurrency_limit_by_name(name)
-        except Exception:
+    if not limit_exists(name):
+        with get_client(sync_client=True) as client:
             client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=limit))
     return name
 

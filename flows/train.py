@@ -71,8 +71,7 @@ def name_run(params: PipelineParams, plan: DevicePlan) -> str:
     the Prefect flow run takes the same name, so each run is found by one name in both UIs."""
     if params.run_name:
         return params.run_name
-    world = plan.nproc_per_node * params.nnodes
-    name = (f"{params.model}-{dataset_label(params.dataset)}-{plan.strategy}-x{world}-"
+    name = (f"{params.model}-{dataset_label(params.dataset)}-{plan.strategy}-x{params.world_size(plan)}-"
             f"{(flow_run.get_id() or uuid.uuid4().hex)[:6]}")
     if flow_run.get_id():
         from prefect.client.orchestration import get_client
@@ -95,9 +94,7 @@ def entry_point() -> str:
 @flat_parameters(PipelineParams)
 def train_pipeline(params: PipelineParams) -> dict:
     """Train a model on the best devices of this host and log one MLflow run."""
-    # Served runs on one host queue here (the limit is created by flows/serve.py); without
-    # the limit, as with `gpuflow run`, this passes straight through.
-    with device_slot():
+    with device_slot():  # served runs on one host queue here
         return pipeline(params)
 
 
@@ -114,7 +111,7 @@ def pipeline(params: PipelineParams) -> dict:
                                                 retry_condition_fn=retry_unless_user_error)(config)
         with timer("preflight"):
             preflight(config, params, data.num_classes, data.input_shape, data.num_samples,
-                      plan.nproc_per_node * params.nnodes)
+                      params.world_size(plan))
         if params.node_rank != 0:  # node 0 owns the MLflow run; the other nodes only train
             return train_node(params, plan, data, timer, locks.fds)
         name = name_run(params, plan)
@@ -159,7 +156,7 @@ def train_node(params: PipelineParams, plan: DevicePlan, data: DatasetInfo, time
 
 
 def run_tags(params: PipelineParams, plan: DevicePlan) -> dict:
-    world = plan.nproc_per_node * params.nnodes
+    world = params.world_size(plan)
     return {
         store.FLOW_RUN_TAG: flow_run.get_id(), "prefect.flow_run_name": flow_run.get_name(),
         "prefect.deployment": deployment.get_name(), "mlflow.source.git.commit": store.git_commit(),

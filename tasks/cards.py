@@ -186,11 +186,11 @@ def device_slot():
     here. Without the limit (flows/serve.py creates it), as with a plain `gpuflow run`, this
     passes quietly (Prefect's own fallback warns on every run)."""
     name = DEVICE_LIMIT.format(host=socket.gethostname())
-    with concurrency(name, occupy=1) if _limit_exists(name) else nullcontext():
+    with concurrency(name, occupy=1) if limit_exists(name) else nullcontext():
         yield
 
 
-def _limit_exists(name: str) -> bool:
+def limit_exists(name: str) -> bool:
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
 

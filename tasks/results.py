@@ -52,9 +52,6 @@ def register_model(run: TrackedRun, result: dict, registered_name: str, num_clas
     existing = run.client.search_model_versions(f"name='{registered_name}' and run_id='{run.run_id}'")
     if existing:  # a retried task must not create a second version
         return existing[0].version
-    active = mlflow.active_run()
-    if active is None or active.info.run_id != run.run_id:
-        raise RuntimeError(f"register_model must run in the thread that owns run {run.run_id}")
     signature = ModelSignature(inputs=Schema([TensorSpec(np.dtype(np.float32), (-1, *input_shape))]),
                                outputs=Schema([TensorSpec(np.dtype(np.float32), (-1, num_classes))]))
     example = np.load(result["input_example"]) if result.get("input_example") else None
@@ -62,7 +59,7 @@ def register_model(run: TrackedRun, result: dict, registered_name: str, num_clas
     # pyfunc.log_model would also load the model to predict the example, importing torch into
     # the flow: ~5 s a run on the default job (bench/NOTES.md). So the same steps with public
     # calls, without that check; tests load each registered model and predict its example.
-    model = mlflow.initialize_logged_model(name="model", source_run_id=run.run_id)
+    model = run.client.create_logged_model(run.experiment_id, name="model", source_run_id=run.run_id)
     with tempfile.TemporaryDirectory() as tmp:
         mlflow.pyfunc.save_model(
             Path(tmp) / "model", python_model=str(Path(__file__).with_name("registered_model.py")),
