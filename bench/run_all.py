@@ -28,7 +28,7 @@ SECTIONS = [  # (key, title, module, its arguments, in --full only)
     ("throughput", "1. Training-loop throughput (ours vs bare script vs Lightning)",
      throughput, ["--repeats", "3"], False),
     ("overhead", "2. Orchestration overhead, default job (whole pipeline vs bare script)",
-     overhead, ["--repeats", "2"], False),
+     overhead, ["--repeats", "3"], False),
     ("overhead_long", "2b. Orchestration overhead on a long job (bare run >= 1 minute)",
      overhead, LONG_JOB, True),
     ("tracking", "3. Tracking overhead (MLflow on vs off)", tracking, ["--repeats", "4"], False),

@@ -1,4 +1,4 @@
-"""What a finished run logs: checkpoint, curves, worker logs and the registered model."""
+"""What a finished run logs: checkpoint, worker logs and the registered model."""
 
 from __future__ import annotations
 
@@ -10,26 +10,6 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from .tracking import TrackedRun
-
-
-def plot_history(history: list[dict], out: Path) -> Path:
-    """Loss and accuracy curves as a PNG. matplotlib's object API: no pyplot state shared
-    between flows running in threads, and half pyplot's import time."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    epochs = [h["epoch"] for h in history]
-    fig = Figure(figsize=(10, 4))
-    FigureCanvasAgg(fig)
-    a, b = fig.subplots(1, 2)
-    a.plot(epochs, [h["train_loss"] for h in history], "o-", label="train loss")
-    a.plot(epochs, [h["val_loss"] for h in history], "o-", label="val loss")
-    a.set_xlabel("epoch"), a.set_ylabel("cross-entropy"), a.legend(), a.grid(alpha=0.3)
-    b.plot(epochs, [h["val_accuracy"] for h in history], "o-", color="tab:green")
-    b.set_xlabel("epoch"), b.set_ylabel("validation accuracy"), b.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    return out
 
 
 OUTCOME_TAG = "gpuflow.outcome"  # on every registered version: promoted, rejected (scores), or not compared
@@ -83,14 +63,14 @@ def register_model(run: TrackedRun, result: dict, registered_name: str, num_clas
 @task(name="log-results", cache_policy=NO_CACHE)
 def log_results(run: TrackedRun, result: dict, registered_name: str, num_classes: int,
                 input_shape: list[int], description: str) -> str:
-    """Log checkpoint, curves, worker logs and the registered model; returns the version."""
+    """Log checkpoint, result, worker logs and the registered model; returns the version.
+
+    No curves image: the MLflow UI charts the per-epoch metrics the relay logged, live."""
     client, run_id, workdir = run.client, run.run_id, run.workdir
     client.set_tag(run_id, "torchrun_restarts", str(result.get("restarts", 0)))
     run.log_json(result, "result.json", "training")
     if result.get("checkpoint"):
         client.log_artifact(run_id, result["checkpoint"], "checkpoints")
-    if result.get("history"):
-        client.log_artifact(run_id, str(plot_history(result["history"], workdir / "curves.png")), "plots")
     if (workdir / "logs").is_dir():
         client.log_artifacts(run_id, str(workdir / "logs"), "worker-logs")
     client.log_artifact(run_id, str(workdir / "config.json"), "training")

@@ -71,7 +71,7 @@ def test_ddp_flow_logs_exactly_one_finished_run_with_everything(ddp_run):
     assert [d.dataset.name for d in run.inputs.dataset_inputs] == ["digits"]
     arts = _all_artifacts(client, out["run_id"])
     for expected in ("environment/environment_report.json", "environment/device_plan.json",
-                     "checkpoints/epoch-0002.pt", "plots/curves.png", "training/result.json",
+                     "checkpoints/epoch-0002.pt", "training/result.json",
                      "training/config.json"):
         assert expected in arts, (expected, arts)
     versions = client.search_model_versions(f"name='gpuflow-model' and run_id='{out['run_id']}'")
