@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gpuflow.training.config import TrainConfig  # noqa: E402  (data only, to feed identical tensors)
 from gpuflow.training.data import load_data  # noqa: E402
-from gpuflow.training.models import build_model  # noqa: E402
+from gpuflow.training.builder import build_model  # noqa: E402
 
 
 class SimpleNN(nn.Module):

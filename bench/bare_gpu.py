@@ -42,7 +42,7 @@ def build(name: str, num_classes: int, shape: tuple[int, ...]) -> nn.Module:
         from torchvision.models import resnet18
 
         return resnet18(weights=None, num_classes=num_classes)
-    from gpuflow.training.models import build_model
+    from gpuflow.training.builder import build_model
 
     return build_model(name, num_classes, shape)
 

@@ -78,7 +78,7 @@ Version = Annotated[str, AfterValidator(check_version), Field(description="a reg
 InputFile = Annotated[str | None, AfterValidator(check_file)]
 
 # Worker fields the flow sets from the device plan and the run's folder, never the user.
-PLAN_OWNED = ("device", "device_ids", "checkpoint_dir", "data_cache")
+PLAN_OWNED = ("device", "device_ids", "checkpoint_dir", "data_cache", "code_root", "num_classes")
 # Where a run is recorded, not how it trains: left out of the run's params.
 RECORD_KEEPING = ("experiment", "run_name", "registered_model", "tracking_uri", "runs_dir", "node_rank",
                   "rdzv_endpoint")
@@ -139,9 +139,12 @@ class PipelineParams(TrainConfig):
         return self
 
     def train_config(self, plan: DevicePlan | None = None, workdir: Path | None = None,
-                     data_cache: str | None = None) -> TrainConfig:
-        """The worker's config; with a plan, strategy and devices come from it."""
+                     data_cache: str | None = None, num_classes: int | None = None) -> TrainConfig:
+        """The worker's config; with a plan, strategy and devices come from it. References to
+        the user's code import from the folder the flow runs in."""
         fields = {k: v for k, v in self.model_dump().items() if k in TrainConfig.model_fields}
+        fields["code_root"] = str(Path.cwd())
+        fields["num_classes"] = num_classes
         fields["strategy"] = plan.strategy if plan else "single"
         if plan:
             fields["device"] = plan.device

@@ -57,13 +57,15 @@ def retry_unless_user_error(task, task_run, state) -> bool:
 def run_name() -> str:
     """The flow run's name until devices are assigned (then `name_run` gives the final one)."""
     p = flow_run.get_parameters()
-    return p.get("run_name") or (f"{p.get('model', 'mlp')}-{dataset_label(p.get('dataset', 'digits'))}"
+    return p.get("run_name") or (f"{dataset_label(p.get('model', 'mlp'))}-{dataset_label(p.get('dataset', 'digits'))}"
                                  f"-{p.get('strategy', 'auto')}-gpus={p.get('gpus', 'auto')}")
 
 
 def dataset_label(dataset: str) -> str:
-    """imagefolder:/data/pets -> pets; built-in names as they are."""
-    return Path(dataset.split(":", 1)[1]).name if dataset.startswith("imagefolder:") else dataset
+    """imagefolder:/data/pets -> pets; myproj.data:datasets -> datasets; built-in names as they are."""
+    if dataset.startswith("imagefolder:"):
+        return Path(dataset.split(":", 1)[1]).name
+    return dataset.rpartition(":")[2] if ":" in dataset else dataset
 
 
 def name_run(params: PipelineParams, plan: DevicePlan) -> str:
@@ -71,7 +73,7 @@ def name_run(params: PipelineParams, plan: DevicePlan) -> str:
     the Prefect flow run takes the same name, so each run is found by one name in both UIs."""
     if params.run_name:
         return params.run_name
-    name = (f"{params.model}-{dataset_label(params.dataset)}-{plan.strategy}-x{params.world_size(plan)}-"
+    name = (f"{dataset_label(params.model)}-{dataset_label(params.dataset)}-{plan.strategy}-x{params.world_size(plan)}-"
             f"{(flow_run.get_id() or uuid.uuid4().hex)[:6]}")
     if flow_run.get_id():
         from prefect.client.orchestration import get_client
@@ -110,8 +112,8 @@ def pipeline(params: PipelineParams) -> dict:
             data = prepare_dataset.with_options(retries=2 if params.download else 0,
                                                 retry_condition_fn=retry_unless_user_error)(config)
         with timer("preflight"):
-            preflight(config, params, data.num_classes, data.input_shape, data.num_samples,
-                      params.world_size(plan))
+            data.num_classes = preflight(params.train_config(plan, data_cache=data.cache), params, data,
+                                         params.world_size(plan))
         if params.node_rank != 0:  # node 0 owns the MLflow run; the other nodes only train
             return train_node(params, plan, data, timer, locks.fds)
         name = name_run(params, plan)
@@ -120,8 +122,8 @@ def pipeline(params: PipelineParams) -> dict:
                                   params.runs_dir) as run:
             result = train(params, plan, data, report, run, timer, locks.fds)
             with timer("log_results"):
-                version = results.log_results(run, result, params.registered_model, data.num_classes,
-                                               data.input_shape, describe_version(params, plan, result, name))
+                version = results.log_results(run, result, params.registered_model, config.code_root,
+                                               describe_version(params, plan, result, name))
             summarize(params, plan, result, run, version)
             # grouped apart in the MLflow UI, so loss and accuracy lead the run's charts
             run.log_metrics({f"pipeline/{k}_s": v for k, v in timer.seconds.items()})
@@ -134,7 +136,7 @@ def pipeline(params: PipelineParams) -> dict:
 def train(params: PipelineParams, plan: DevicePlan, data: DatasetInfo, report: EnvironmentReport,
           run: tracking.TrackedRun, timer: StepTimer, cards: tuple[int, ...]) -> dict:
     """Write the worker's config, record it as the run's params, launch and relay its metrics."""
-    config = params.train_config(plan, run.workdir, data.cache)
+    config = params.train_config(plan, run.workdir, data.cache, data.num_classes)
     run.log_params(params.run_params(config, plan))
     run.log_json(report.model_dump(mode="json"), "environment_report.json", "environment")
     run.log_json(plan.model_dump(mode="json"), "device_plan.json", "environment")
@@ -148,7 +150,7 @@ def train_node(params: PipelineParams, plan: DevicePlan, data: DatasetInfo, time
                cards: tuple[int, ...]) -> dict:
     """A node other than 0 of a multi-node job: train in its own folder, log nothing."""
     workdir = Path(params.runs_dir).resolve() / f"node{params.node_rank}-{uuid.uuid4().hex[:8]}"
-    config = params.train_config(plan, workdir, data.cache).to_json(workdir / "config.json")
+    config = params.train_config(plan, workdir, data.cache, data.num_classes).to_json(workdir / "config.json")
     with timer("launch"):
         result = launch_training.with_options(retries=params.launch_retries)(config, plan, params, workdir,
                                                                              hold_fds=cards)
@@ -171,10 +173,10 @@ def run_tags(params: PipelineParams, plan: DevicePlan) -> dict:
 def describe_version(params: PipelineParams, plan: DevicePlan, result: dict, name: str) -> str:
     """The registered version's description: what it is, how it was trained, how well it does."""
     m = result["final_metrics"]
-    scores = ", ".join(f"{k} {m[k]:.4f}" for k in ("val_accuracy", "val_loss", "train_loss") if k in m)
+    scores = ", ".join(f"{k} {v:.4f}" for k, v in m.items() if k.startswith("val_") or k == "train_loss")
     return (f"{params.model} trained on {params.dataset} by run {name}: {result['epochs_run']} epochs, "
             f"{plan.strategy} on {plan.describe()}, batch {params.batch_size}, lr {params.lr}, {params.precision}. "
-            f"Final {scores}. Input: float32 images (N, C, H, W) as in the signature; output: class scores.")
+            f"Final {scores}. Input and output: float32 arrays as in the signature ({params.objective}).")
 
 
 def summarize(params: PipelineParams, plan: DevicePlan, result: dict, run: tracking.TrackedRun,

@@ -17,8 +17,8 @@ class DatasetInfo(BaseModel):
     num_samples: int
     train_samples: int
     val_samples: int
-    num_classes: int
-    input_shape: list[int]
+    num_classes: int | None = Field(None, description="None: the dataset does not say (the model's output size decides)")
+    input_shape: list[int] | None = None
     sha256: str
     cache: str | None = Field(None, description="prepared file the workers read (training/datacache.py)")
     reused: bool = Field(False, description="the prepared file of an earlier run matched the source")
@@ -32,7 +32,10 @@ def describe_dataset(cfg: TrainConfig) -> DatasetInfo:
     (each worker generates it). Data that cannot train raises DatasetError, reused or not.
     """
     from gpuflow.training import datacache
+    from gpuflow.training.refs import is_reference
 
+    if is_reference(cfg.dataset):
+        return describe_user_data(cfg)
     builtin = cfg.dataset in ("digits", "synthetic")
     found = datacache.lookup(cfg.dataset, cfg.data_root)
     if cfg.dataset == "synthetic":
@@ -55,6 +58,19 @@ def describe_dataset(cfg: TrainConfig) -> DatasetInfo:
         train_samples=n - n_val, val_samples=n_val, num_classes=d["num_classes"],
         input_shape=d["input_shape"], sha256=d["sha256"], cache=d["cache"], reused=bool(found),
     )
+
+
+def describe_user_data(cfg: TrainConfig) -> DatasetInfo:
+    """The user's dataset: its module's prepare_data(root) hook runs here, once, before any
+    rank starts; then the factory is called to describe the two sets."""
+    from gpuflow.training.data import prepare_user_data, user_datasets
+
+    prepare_user_data(cfg)
+    b = user_datasets(cfg)
+    return DatasetInfo(name=cfg.dataset, root=cfg.data_root, num_samples=len(b.train) + len(b.val),
+                       train_samples=len(b.train), val_samples=len(b.val), num_classes=b.num_classes,
+                       input_shape=list(b.input_shape) if b.input_shape is not None else None,
+                       sha256=b.fingerprint["sha256"])
 
 
 def check_classes(dataset: str, classes: list[str] | None, num_samples: int) -> None:

@@ -210,29 +210,36 @@ def launch_training(config: Path, plan: DevicePlan, opts: LaunchRequest, workdir
     return launch(config, plan, opts, workdir, get_run_logger(), metrics_file, hold_fds, task_run.run_count)
 
 
-def check_resume(cfg, num_classes: int, input_shape: list[int]) -> None:
+def check_resume(cfg, num_classes: int | None, input_shape: list[int] | None) -> None:
     """An explicit resume file must exist, hold only tensors, and fit the model."""
     if cfg.resume in ("auto", "never"):
         return
+    from gpuflow.training.builder import build_model
     from gpuflow.training.checkpoint import CheckpointError, load_file, load_model_state
-    from gpuflow.training.models import build_model
 
     payload = load_file(cfg.resume)
     if "model" not in payload:
         raise CheckpointError(f"checkpoint {cfg.resume!r} has no 'model' entry; it was not written "
                               "by gpuflow (keys: " + ", ".join(map(str, list(payload)[:8])) + ")")
-    model = build_model(cfg.model, num_classes, tuple(input_shape))
+    model = build_model(cfg.model, num_classes, input_shape, cfg.model_args, cfg.code_root)
     load_model_state(model, payload["model"], source=f"checkpoint {cfg.resume!r}")
 
 
 @task(name="preflight", cache_policy=NO_CACHE)
-def preflight(cfg, opts: LaunchRequest, num_classes: int, input_shape: list[int],
-              num_samples: int | None = None, world_size: int = 1) -> None:
-    """Fail before any MLflow run starts: bad resume file, rendezvous port already taken, and,
-    given the dataset's size, a training split smaller than the world size."""
+def preflight(cfg, opts: LaunchRequest, data, world_size: int = 1) -> int | None:
+    """Fail before any MLflow run starts: bad resume file, rendezvous port already taken, a
+    training split smaller than the world size, and for the user's own model, data or
+    objective, one small batch through them on the CPU (training/preflight.py).
+    Returns the class count the worker trains with."""
     from .data import check_split
 
     check_rendezvous(opts)
-    if num_samples is not None:
-        check_split(cfg, num_samples, world_size)
-    check_resume(cfg, num_classes, input_shape)
+    num_classes = data.num_classes
+    if cfg.user_code:
+        from gpuflow.training.preflight import check_user_code
+
+        num_classes = check_user_code(cfg, world_size)["num_classes"]
+    else:
+        check_split(cfg, data.num_samples, world_size)
+    check_resume(cfg, num_classes, data.input_shape)
+    return num_classes

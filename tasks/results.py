@@ -16,10 +16,43 @@ OUTCOME_TAG = "gpuflow.outcome"  # on every registered version: promoted, reject
 NOT_COMPARED = "registered, not compared: the retrain flow compares a version with the champion"
 
 
-def register_model(run: TrackedRun, result: dict, registered_name: str, num_classes: int,
-                   input_shape: list[int], description: str) -> str:
-    """Log the checkpoint as a pyfunc model from code (tasks/registered_model.py) and register
-    it; idempotent per run. Its input example is a few validation samples the worker saved."""
+def model_code(spec: dict, code_root: str | None, folder: Path) -> tuple[str, list[str]]:
+    """(the model's reference inside the registered model, the code to ship in `code_paths`).
+
+    Built-in models ship gpuflow's models file under a name of its own; a user's module
+    reference ships its top-level package (or module file), found from the project folder;
+    a file reference ships that file. Code installed in site-packages is not shipped: it
+    is a requirement of the environment that loads the model.
+    """
+    import importlib.util
+    import shutil
+    import sys
+
+    from gpuflow.training.config import BUILTIN_MODELS_MODULE
+    from gpuflow.training.refs import is_file_reference
+
+    module, _, attr = spec["reference"].rpartition(":")
+    if module == BUILTIN_MODELS_MODULE:  # located, not imported: no torch in the flow
+        shipped = folder / "gpuflow_builtin_models.py"
+        shutil.copyfile(importlib.util.find_spec(BUILTIN_MODELS_MODULE).origin, shipped)
+        return f"{shipped.stem}:{attr}", [str(shipped)]
+    if is_file_reference(spec["reference"]):
+        return f"{Path(module).stem}:{attr}", [module]
+    top = module.split(".")[0]
+    if code_root and code_root not in sys.path:
+        sys.path.insert(0, code_root)
+    found = importlib.util.find_spec(top)
+    where = Path(found.submodule_search_locations[0] if found.submodule_search_locations else found.origin)
+    if {"site-packages", "dist-packages"} & set(where.parts):
+        return spec["reference"], []
+    return spec["reference"], [str(where)]
+
+
+def register_model(run: TrackedRun, result: dict, registered_name: str, code_root: str | None,
+                   description: str) -> str:
+    """Log the trained weights as a pyfunc model from code (tasks/registered_model.py) with the
+    model's own code, and register it; idempotent per run. Its input example is a few
+    validation samples the worker saved; its signature, their shape and the output's."""
     from importlib.metadata import version
 
     import numpy as np
@@ -32,19 +65,28 @@ def register_model(run: TrackedRun, result: dict, registered_name: str, num_clas
     existing = run.client.search_model_versions(f"name='{registered_name}' and run_id='{run.run_id}'")
     if existing:  # a retried task must not create a second version
         return existing[0].version
-    signature = ModelSignature(inputs=Schema([TensorSpec(np.dtype(np.float32), (-1, *input_shape))]),
-                               outputs=Schema([TensorSpec(np.dtype(np.float32), (-1, num_classes))]))
     example = np.load(result["input_example"]) if result.get("input_example") else None
+    if isinstance(example, np.lib.npyio.NpzFile):  # named inputs
+        example = dict(example)
+    signature = None
+    if example is not None:
+        out = result.get("output_shape")
+        named = example.items() if isinstance(example, dict) else [(None, example)]
+        signature = ModelSignature(
+            inputs=Schema([TensorSpec(a.dtype, (-1, *a.shape[1:]), name) for name, a in named]),
+            outputs=Schema([TensorSpec(np.dtype(np.float32), (-1, *out))]) if out is not None else None)
     reqs = [f"{pkg}=={version(pkg).split('+')[0]}" for pkg in ("torch", "torchvision", "mlflow", "numpy")]
     # pyfunc.log_model would also load the model to predict the example, importing torch into
     # the flow: ~5 s a run on the default job (bench/NOTES.md). So the same steps with public
     # calls, without that check; tests load each registered model and predict its example.
     model = run.client.create_logged_model(run.experiment_id, name="model", source_run_id=run.run_id)
     with tempfile.TemporaryDirectory() as tmp:
+        reference, code_paths = model_code(result["model_spec"], code_root, Path(tmp))
         mlflow.pyfunc.save_model(
             Path(tmp) / "model", python_model=str(Path(__file__).with_name("registered_model.py")),
-            artifacts={"checkpoint": result["checkpoint"]}, signature=signature, input_example=example,
-            pip_requirements=reqs,
+            artifacts={"weights": result["weights"]}, code_paths=code_paths or None,
+            model_config={"reference": reference, "kwargs": result["model_spec"]["kwargs"]},
+            signature=signature, input_example=example, pip_requirements=reqs,
             mlflow_model=Model(artifact_path=model.artifact_location, run_id=run.run_id, model_id=model.model_id,
                                model_uuid=model.model_id))
         run.client.log_model_artifacts(model.model_id, str(Path(tmp) / "model"))
@@ -61,8 +103,8 @@ def register_model(run: TrackedRun, result: dict, registered_name: str, num_clas
 
 
 @task(name="log-results", cache_policy=NO_CACHE)
-def log_results(run: TrackedRun, result: dict, registered_name: str, num_classes: int,
-                input_shape: list[int], description: str) -> str:
+def log_results(run: TrackedRun, result: dict, registered_name: str, code_root: str | None,
+                description: str) -> str:
     """Log checkpoint, result, worker logs and the registered model; returns the version.
 
     No curves image: the MLflow UI charts the per-epoch metrics the relay logged, live."""
@@ -74,4 +116,4 @@ def log_results(run: TrackedRun, result: dict, registered_name: str, num_classes
     if (workdir / "logs").is_dir():
         client.log_artifacts(run_id, str(workdir / "logs"), "worker-logs")
     client.log_artifact(run_id, str(workdir / "config.json"), "training")
-    return register_model(run, result, registered_name, num_classes, input_shape, description)
+    return register_model(run, result, registered_name, code_root, description)

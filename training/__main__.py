@@ -59,9 +59,12 @@ def _train(cfg, metrics, config_path: str, result_path: str | None, freeze_impor
         result = trainer.train()
         if ctx.is_main:
             out = Path(result_path or Path(config_path).with_name("result.json"))
-            example = _npy_bytes(trainer.input_example())
-            result["input_example"] = str(atomic_write(out.with_name("input_example.npy"),
-                                                       lambda tmp: tmp.write_bytes(example)))
+            result["weights"] = str(trainer.save_weights(out.with_name("weights.pt")))
+            example, result["output_shape"] = trainer.example()
+            if example is not None:
+                data, suffix = _npy_bytes(example)
+                result["input_example"] = str(atomic_write(out.with_name("input_example" + suffix),
+                                                           lambda tmp: tmp.write_bytes(data)))
             write_json_atomic(out, result)
         # Leave together: a rank that tears gloo down while rank 0 still writes result.json
         # can abort (SIGABRT) on the half-closed connection.
@@ -76,12 +79,16 @@ def _train(cfg, metrics, config_path: str, result_path: str | None, freeze_impor
         distributed.teardown()
 
 
-def _npy_bytes(array) -> bytes:
+def _npy_bytes(example) -> tuple[bytes, str]:
+    """An array as .npy, or named arrays as .npz; (the bytes, the suffix)."""
     import numpy as np
 
     buf = io.BytesIO()
-    np.save(buf, array)
-    return buf.getvalue()
+    if isinstance(example, dict):
+        np.savez(buf, **example)
+        return buf.getvalue(), ".npz"
+    np.save(buf, example)
+    return buf.getvalue(), ".npy"
 
 
 def main(argv=None) -> int:

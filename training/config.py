@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from . import refs
 from .errors import UserError
 
 MODELS = ("mlp", "cnn", "resnet18")
+BUILTIN_MODELS_MODULE = "gpuflow.training.models"  # where the built-ins live (torch-free name for the flow)
 BUILTIN_DATASETS = ("digits", "synthetic", "mnist", "fashion-mnist", "cifar10")
 Precision = Literal["fp32", "bf16", "fp16"]
 Strategy = Literal["single", "dp", "ddp"]
@@ -44,12 +46,20 @@ class TrainConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=(), allow_inf_nan=False)
 
-    model: str = Field("mlp", description=f"one of {', '.join(MODELS)}")
+    model: str = Field("mlp", description=f"one of {', '.join(MODELS)}, or your own nn.Module class or "
+                       "factory: package.module:Name (imported from the folder gpuflow runs in) or file.py:Name")
+    model_args: dict[str, Any] = Field(
+        {}, description="JSON object of keyword arguments for your model (num_classes and "
+        "input_shape are passed too when its signature names them)")
     dataset: str = Field(
         "digits",
         description="digits (ships with scikit-learn, offline), synthetic, mnist, "
-        "fashion-mnist, cifar10, or imagefolder:<path>",
+        "fashion-mnist, cifar10, imagefolder:<path>, or your own: package.module:factory or "
+        "file.py:factory, returning (train, val) datasets",
     )
+    objective: str = Field(
+        "classification", description="classification (cross-entropy, accuracy), or your own loss/metrics: "
+        "package.module:Name or file.py:Name (see gpuflow/training/objective.py)")
     data_root: str = Field("data", validate_default=True, description="folder holding torchvision datasets")
     download: bool = Field(False, description="download torchvision datasets if missing")
     val_fraction: float = Field(0.2, gt=0, lt=1, description="share held out for validation")
@@ -85,25 +95,44 @@ class TrainConfig(BaseModel):
     data_cache: str | None = Field(
         None, description="prepared dataset file written by the flow's data step (training/datacache.py); "
         "workers read it instead of the source")
+    code_root: str | None = Field(
+        None, description="folder that module references import from (set by the flow: where it runs)")
+    num_classes: int | None = Field(
+        None, ge=1, description="the model's output size, when the dataset does not say (set by the flow's preflight)")
 
     @field_validator("model")
     @classmethod
     def _known_model(cls, v: str) -> str:
+        if refs.is_reference(v):
+            return refs.normalize(v)
         if v not in MODELS:
-            raise ValueError(f"unknown model {v!r}; choose one of {', '.join(MODELS)}")
+            raise ValueError(f"unknown model {v!r}; choose one of {', '.join(MODELS)}, or name your own "
+                             "as package.module:Class or file.py:Class")
+        return v
+
+    @field_validator("objective")
+    @classmethod
+    def _known_objective(cls, v: str) -> str:
+        if refs.is_reference(v):
+            return refs.normalize(v)
+        if v != "classification":
+            raise ValueError(f"unknown objective {v!r}; use classification, or name your own as "
+                             "package.module:Name or file.py:Name")
         return v
 
     @field_validator("dataset")
     @classmethod
     def _known_dataset(cls, v: str) -> str:
+        if refs.is_reference(v):
+            return refs.normalize(v)
         if v.startswith("imagefolder:"):
             if not v.split(":", 1)[1]:
                 raise ValueError("dataset 'imagefolder:' needs a path, e.g. imagefolder:/data/pets")
             return "imagefolder:" + str(Path(v.split(":", 1)[1]).expanduser().resolve())
         if v not in BUILTIN_DATASETS:
             raise ValueError(
-                f"unknown dataset {v!r}; choose one of {', '.join(BUILTIN_DATASETS)} "
-                "or imagefolder:<path>"
+                f"unknown dataset {v!r}; choose one of {', '.join(BUILTIN_DATASETS)}, "
+                "imagefolder:<path>, or your own factory as package.module:datasets or file.py:datasets"
             )
         return v
 
@@ -122,7 +151,15 @@ class TrainConfig(BaseModel):
             )
         if self.device_ids is not None and self.strategy != "dp":
             raise ValueError("device_ids applies to strategy 'dp' only; leave it unset")
+        if self.model_args and not refs.is_reference(self.model):
+            raise ValueError(f"model_args apply to a model of your own (package.module:Class); the built-in "
+                             f"{self.model!r} takes none: drop model_args")
         return self
+
+    @property
+    def user_code(self) -> bool:
+        """Whether the model, the data or the objective is the user's own code."""
+        return any(refs.is_reference(v) for v in (self.model, self.dataset, self.objective))
 
     # --- JSON round trip -------------------------------------------------------------
     def to_dict(self) -> dict:

@@ -106,6 +106,24 @@ def all_reduce_sum(values: list[float], ctx: DistContext) -> list[float]:
     return t.tolist()
 
 
+def gather_to_main(obj, ctx: DistContext) -> list | None:
+    """Every rank's `obj` (CPU tensors, numbers), as a list in rank order on rank 0; None elsewhere."""
+    if not ctx.distributed:
+        return [obj]
+    out = [None] * ctx.world_size if ctx.is_main else None
+    dist.gather_object(obj, out, dst=0)
+    return out
+
+
+def broadcast_from_main(obj, ctx: DistContext):
+    """Rank 0's `obj` on every rank."""
+    if not ctx.distributed:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def barrier(ctx: DistContext) -> None:
     if ctx.distributed and dist.is_initialized():
         dist.barrier()

@@ -18,15 +18,15 @@ import os
 import sys
 
 import torch
-from torch import nn
 
 from .cardlock import hold_card_locks
 from .checkpoint import CheckpointError, load_file, load_model_state
 from .config import TrainConfig
+from .builder import build_model
 from .data import TensorData, load_data
 from .errors import UserError
 from .files import write_json_atomic
-from .models import build_model
+from .objective import apply, batch_len, call_model, load_objective, split_batch
 
 
 def _device(device: str) -> torch.device:
@@ -42,7 +42,7 @@ def _config(payload: dict, checkpoint: str, **overrides) -> TrainConfig:
 
 
 def _model(cfg: TrainConfig, payload: dict, checkpoint: str, num_classes: int, input_shape, dev):
-    model = build_model(cfg.model, num_classes, tuple(input_shape))
+    model = build_model(cfg.model, num_classes, input_shape, cfg.model_args, cfg.code_root)
     load_model_state(model, payload["model"], source=f"checkpoint {checkpoint!r}")
     return model.to(dev).eval()
 
@@ -59,19 +59,33 @@ def evaluate(checkpoint: str, split: str = "val", device: str = "auto", batch_si
     bundle = load_data(cfg, fingerprint=False)
     dev = _device(device)
     use_cuda = dev.type == "cuda"
-    model = _model(cfg, payload, checkpoint, bundle.num_classes, bundle.input_shape, dev)
+    model = _model(cfg, payload, checkpoint, bundle.num_classes or payload.get("num_classes"),
+                   bundle.input_shape, dev)
+    objective = load_objective(cfg.objective, cfg.code_root)
     data = bundle.val if split == "val" else _concat(bundle.train, bundle.val)
     loader = torch.utils.data.DataLoader(data, batch_size=batch_size, pin_memory=use_cuda)
-    loss, correct, n = 0.0, 0, 0
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    outputs, targets = [], []
     with torch.no_grad():
-        for x, y in loader:
-            x, y = x.to(dev), y.to(dev)
-            out = model(x)
-            loss += nn.functional.cross_entropy(out, y, reduction="sum").item()
-            correct += (out.argmax(1) == y).sum().item()
-            n += len(y)
-    return {"accuracy": correct / n, "loss": loss / n, "samples": n, "split": split,
-            "model": cfg.model, "dataset": cfg.dataset, **_where(dev)}
+        for batch in loader:
+            inputs, target = split_batch(apply(batch, lambda t: t.to(dev)))
+            out = call_model(model, inputs)
+            n = batch_len(target if target is not None else inputs)
+            for name, (total, count) in {"loss": (objective.loss(out, target) * n, n),
+                                         **objective.batch_metrics(out, target)}.items():
+                sums[name] = sums.get(name, 0.0) + float(total)
+                counts[name] = counts.get(name, 0) + int(count)
+            if objective.epoch_metrics:
+                outputs.append(apply(out, lambda t: t.float().cpu()))
+                targets.append(apply(target, lambda t: t.cpu()))
+    metrics = {k: sums[k] / counts[k] for k in sums}
+    if objective.epoch_metrics:
+        join = (lambda parts: {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+                if isinstance(parts[0], dict) else torch.cat(parts))
+        metrics.update({k: float(v) for k, v in objective.epoch_metrics(join(outputs), join(targets)).items()})
+    return {**metrics, "samples": counts["loss"], "split": split, "model": cfg.model, "dataset": cfg.dataset,
+            "objective": cfg.objective, "monitor": objective.monitor, "mode": objective.mode, **_where(dev)}
 
 
 @torch.no_grad()
@@ -86,12 +100,15 @@ def predict(checkpoint: str, inputs: str, device: str = "auto", batch_size: int 
     if "num_classes" not in payload:
         raise CheckpointError(f"checkpoint {checkpoint!r} does not record its class count (written by "
                               "an older gpuflow); evaluate it on a dataset instead, or retrain")
-    num_classes = int(payload["num_classes"])
+    num_classes = payload["num_classes"]
     dev = _device(device)
-    model = _model(cfg, payload, checkpoint, num_classes, x.shape[1:], dev)
-    probs = torch.cat([model(b.to(dev).float()).softmax(1).cpu() for b in x.split(batch_size)])
-    return {"predictions": probs.argmax(1).tolist(), "probabilities": probs.tolist(),
-            "samples": len(x), "model": cfg.model, **_where(dev)}
+    model = _model(cfg, payload, checkpoint, num_classes, payload.get("input_shape") or list(x.shape[1:]), dev)
+    out = torch.cat([model(b.to(dev).float()).float().cpu() for b in x.split(batch_size)])
+    where = {"samples": len(x), "model": cfg.model, **_where(dev)}
+    if cfg.objective != "classification":  # the model's outputs as they are
+        return {"outputs": out.tolist(), **where}
+    probs = out.softmax(1)
+    return {"predictions": probs.argmax(1).tolist(), "probabilities": probs.tolist(), **where}
 
 
 def _concat(a, b):

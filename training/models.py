@@ -1,11 +1,13 @@
-"""Models by name. `mlp` is exactly the seeds' SimpleNN, so its checkpoints load into it."""
+"""The built-in models. `mlp` is exactly the seeds' SimpleNN, so its checkpoints load into it.
+
+Self-contained (torch and torchvision only): the registered model ships this file as its
+code, so a built-in model loads where gpuflow is not installed, as a user's model does.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-
-from .config import MIN_SIDE, input_shape_for  # noqa: F401  (torch-free, re-exported)
 
 
 class SimpleNN(nn.Module):
@@ -65,15 +67,21 @@ class SmallCNN(nn.Module):
         return self.head(self.features(x).flatten(1))
 
 
-def build_model(name: str, num_classes: int, input_shape: tuple[int, int, int]) -> nn.Module:
-    if name == "mlp":
-        return SimpleNN(num_classes)
-    if name == "cnn":
-        return SmallCNN(input_shape[0], num_classes)
-    if name == "resnet18":
-        from torchvision.models import resnet18
+def resnet18(num_classes: int = 10) -> nn.Module:
+    """torchvision's resnet18, untrained (no download), with a pooling that trains deterministically."""
+    from torchvision.models import resnet18 as tv_resnet18
 
-        model = resnet18(weights=None, num_classes=num_classes)  # no pretrained download
-        model.avgpool = AdaptiveAvgPool2d((1, 1))  # same result; trains under deterministic=True
-        return model
+    model = tv_resnet18(weights=None, num_classes=num_classes)
+    model.avgpool = AdaptiveAvgPool2d((1, 1))  # same result; trains under deterministic=True
+    return model
+
+
+def builtin_spec(name: str, num_classes: int, input_shape: tuple[int, ...]) -> tuple[str, dict]:
+    """(the attribute of this module that builds model `name`, its keyword arguments)."""
+    if name == "mlp":
+        return "SimpleNN", {"num_classes": num_classes}
+    if name == "cnn":
+        return "SmallCNN", {"in_channels": input_shape[0], "num_classes": num_classes}
+    if name == "resnet18":
+        return "resnet18", {"num_classes": num_classes}
     raise ValueError(f"unknown model {name!r}; choose mlp, cnn or resnet18")

@@ -20,9 +20,10 @@ from .checkpoint import CheckpointError, CheckpointStore, load_file, load_model_
 from .checkpoint import rng_state, set_rng_state, to_cpu, unwrap
 from .config import TrainConfig
 from .distributed import DistContext, LaunchError, all_reduce_sum
+from .builder import make_model
 from .errors import TrainingDiverged
-from .models import build_model
 from .metrics import MetricsFile
+from .objective import apply, batch_len, call_model, load_objective, split_batch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -80,10 +81,12 @@ class Trainer:
         bundle, self.data_on_device = data_mod.data_to_device(bundle, self.device, cfg.num_workers)
         self.bundle = bundle
         self.pin = self.device.type == "cuda" and not self.data_on_device
-        self.model = self._wrap(build_model(cfg.model, bundle.num_classes, bundle.input_shape))
+        model, self.model_spec = make_model(cfg.model, bundle.num_classes, bundle.input_shape, cfg.model_args,
+                                            cfg.code_root)
+        self.model = self._wrap(model)
         self.optimizer = self._make_optimizer()
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.precision == "fp16")
-        self.loss_fn = nn.CrossEntropyLoss(reduction="none")  # per sample: padding is left out of metrics
+        self.objective = load_objective(cfg.objective, cfg.code_root)
         world = ctx.world_size
         self.train_loader, self.sampler = data_mod.train_loader(bundle.train, cfg, ctx.rank, world, self.pin)
         # DistributedSampler pads the ranks to equal length by repeating samples, at the end
@@ -187,25 +190,37 @@ class Trainer:
             "rng": rng_state(),
             "config": self.cfg.to_dict(),
             "num_classes": self.bundle.num_classes,
-            "input_shape": list(self.bundle.input_shape),
+            "input_shape": list(self.bundle.input_shape) if self.bundle.input_shape is not None else None,
+            "model_spec": self.model_spec,  # reference and exact kwargs: the user's class rebuilds from it
             "history": self.history,
         }
         self.last_checkpoint = str(self.store.save(payload, self.epochs_run))
 
     # --- loop ---------------------------------------------------------------------------
-    def _run_batch(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """One optimizer step; the per-sample losses, for the epoch's exact mean."""
+    def _to_device(self, batch, non_blocking: bool = False):
+        return apply(batch, lambda t: t.to(self.device, non_blocking=non_blocking))
+
+    def _run_batch(self, inputs, target, real: int) -> torch.Tensor:
+        """One optimizer step; the loss summed over the batch's first `real` samples (the
+        sampler's padding left out), for the epoch's exact mean."""
         self.optimizer.zero_grad(set_to_none=True)
         with self._autocast():
-            losses = self.loss_fn(self.model(x), y)
-        loss = losses.mean()
+            out = self.model(inputs) if isinstance(inputs, torch.Tensor) else call_model(self.model, inputs)
+            loss = self.objective.loss(out, target)
         self.scaler.scale(loss).backward()
         if self.cfg.grad_clip:
             self.scaler.unscale_(self.optimizer)  # clip true gradients, not scaled ones
             nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         self.scaler.step(self.optimizer)
         self.scaler.update()
-        return losses.detach()
+        n = batch_len(target if target is not None else inputs)
+        if real == n:
+            return loss.detach().double() * n
+        if real <= 0:
+            return torch.zeros((), dtype=torch.float64, device=self.device)
+        with torch.no_grad(), self._autocast():  # only a rank's last batch: its padded samples
+            head = (lambda t: t[:real])
+            return self.objective.loss(apply(out, head), apply(target, head)).detach().double() * real
 
     def _batches(self, loader, desc: str):
         if self.ctx.is_main and sys.stderr.isatty():
@@ -220,13 +235,12 @@ class Trainer:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         count = 0
         start = time.perf_counter()
-        for step, (x, y) in enumerate(self._batches(self.train_loader, f"epoch {epoch + 1}"), 1):
+        for step, batch in enumerate(self._batches(self.train_loader, f"epoch {epoch + 1}"), 1):
             if self.fault:
                 self.fault(self.ctx.rank, epoch + 1, step)
-            x = x.to(self.device, non_blocking=self.pin)
-            y = y.to(self.device, non_blocking=self.pin)
-            real = min(len(y), self.real_train - count)  # the sampler's padding is not counted
-            loss_sum += self._run_batch(x, y)[:real].double().sum()  # no .item(): no sync per step
+            inputs, target = split_batch(self._to_device(batch, self.pin))
+            real = min(batch_len(target if target is not None else inputs), self.real_train - count)
+            loss_sum += self._run_batch(inputs, target, real)  # no .item(): no sync per step
             count += real
             if self.cfg.max_steps_per_epoch and step >= self.cfg.max_steps_per_epoch:
                 break
@@ -243,22 +257,53 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict:
-        """Validation loss and accuracy; each sample counted once whatever the world size."""
+        """Validation loss and the objective's metrics; each sample counted once whatever the
+        world size: per-batch sums and counts are all-reduced and divided, and whole-set
+        metrics get every rank's outputs gathered to rank 0."""
         model = unwrap(self.model) if self.ctx.distributed else self.model
         model.eval()
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        correct = torch.zeros((), dtype=torch.float64, device=self.device)
-        count = 0
-        for x, y in self.val_loader:
-            x, y = x.to(self.device), y.to(self.device)
+        sums: dict[str, torch.Tensor] = {}
+        counts: dict[str, int] = {}
+        outputs, targets = [], []
+        for batch in self.val_loader:
+            inputs, target = split_batch(self._to_device(batch))
+            n = batch_len(target if target is not None else inputs)
             with self._autocast():
-                out = model(x)
-            loss_sum += nn.functional.cross_entropy(out.float(), y, reduction="sum").double()
-            correct += (out.argmax(1) == y).sum().double()
-            count += len(y)
-        total, right, n = all_reduce_sum([loss_sum.item(), correct.item(), count], self.ctx)
-        self._check_finite("val_loss", total / n, self.epochs_run + 1)
-        return {"val_loss": total / n, "val_accuracy": right / n}
+                out = model(inputs) if isinstance(inputs, torch.Tensor) else call_model(model, inputs)
+                parts = {"loss": (self.objective.loss(out, target) * n, n),
+                         **self.objective.batch_metrics(out, target)}
+            for name, (total, count) in parts.items():
+                total = torch.as_tensor(total, device=self.device).detach().double()
+                sums[name] = sums[name] + total if name in sums else total
+                counts[name] = counts.get(name, 0) + int(count)
+            if self.objective.epoch_metrics:
+                outputs.append(apply(out, lambda t: t.float().cpu()))
+                targets.append(apply(target, lambda t: t.cpu()))
+        names = list(sums)
+        reduced = all_reduce_sum([sums[k].item() for k in names] + [counts[k] for k in names], self.ctx)
+        result = {f"val_{k}": reduced[i] / reduced[len(names) + i] for i, k in enumerate(names)}
+        self._check_finite("val_loss", result["val_loss"], self.epochs_run + 1)
+        if self.objective.epoch_metrics:
+            result.update(self._whole_set_metrics(outputs, targets))
+        return result
+
+    def _whole_set_metrics(self, outputs: list, targets: list) -> dict:
+        """The objective's epoch_metrics on every validation sample once, in dataset order:
+        rank r holds samples r, r + world, ... (the validation shard), gathered to rank 0."""
+        from .distributed import broadcast_from_main, gather_to_main
+
+        cat = (lambda parts: torch.cat(parts) if parts and isinstance(parts[0], torch.Tensor) else
+               {k: torch.cat([p[k] for p in parts]) for k in parts[0]} if parts and isinstance(parts[0], dict)
+               else parts)
+        gathered = gather_to_main((cat(outputs), cat(targets)), self.ctx)
+        metrics = {}
+        if self.ctx.is_main:
+            world = len(gathered)
+            n = sum(batch_len(o) for o, _ in gathered)
+            order = torch.tensor([i for r in range(world) for i in range(r, n, world)]).argsort()
+            merged = [apply(cat([g[j] for g in gathered]), lambda t: t[order]) for j in (0, 1)]
+            metrics = {f"val_{k}": float(v) for k, v in self.objective.epoch_metrics(*merged).items()}
+        return broadcast_from_main(metrics, self.ctx)
 
     def train(self) -> dict:
         start = time.perf_counter()
@@ -270,11 +315,10 @@ class Trainer:
             self.history.append({"epoch": self.epochs_run, **metrics})
             self._save_checkpoint()
             self.metrics.log_epoch(self.epochs_run, metrics)
-            self._say(
-                f"epoch {self.epochs_run}/{self.cfg.epochs} train_loss {metrics['train_loss']:.4f} "
-                f"val_loss {metrics['val_loss']:.4f} val_acc {metrics['val_accuracy']:.4f} "
-                f"{metrics['samples_per_s']:.0f} samples/s"
-            )
+            scores = " ".join(f"{k.replace('accuracy', 'acc')} {v:.4f}" for k, v in metrics.items()
+                              if k.startswith("val_"))
+            self._say(f"epoch {self.epochs_run}/{self.cfg.epochs} train_loss {metrics['train_loss']:.4f} "
+                      f"{scores} {metrics['samples_per_s']:.0f} samples/s")
         self.train_time_s = time.perf_counter() - start
         return self.result()
 
@@ -294,12 +338,40 @@ class Trainer:
             "peak_memory_mb": (torch.cuda.max_memory_allocated(self.device) / 2**20
                                if self.device.type == "cuda" else None),
             "history": self.history,
+            "model_spec": self.model_spec,
+            "objective": self.cfg.objective,
+            "monitor": self.objective.monitor,
+            "mode": self.objective.mode,
         }
 
-    def input_example(self, n: int = 2):
-        """The first `n` validation inputs as a float32 array: the registered model's example."""
-        xs = [self.bundle.val[i][0] for i in range(min(n, len(self.bundle.val)))]
-        return torch.stack(xs).float().cpu().numpy()
+    def save_weights(self, path: Path) -> Path:
+        """The trained model's state dict alone (CPU tensors, no wrapper prefix): what the
+        registered model loads, strict, into the model's own class."""
+        from .checkpoint import _torch_save
+        from .files import atomic_write
+
+        state = to_cpu(unwrap(self.model).state_dict())
+        return atomic_write(path, lambda tmp: _torch_save(state, tmp))
+
+    @torch.no_grad()
+    def example(self, n: int = 2) -> tuple:
+        """The registered model's example: the first `n` validation inputs, as a float32 array
+        or, for a model taking named inputs, a dict of arrays (None for positional tuples),
+        and the model's output shape per sample (None for a dict output)."""
+        from torch.utils.data import default_collate
+
+        inputs, _ = split_batch(default_collate([self.bundle.val[i] for i in range(min(n, len(self.bundle.val)))]))
+        if not (isinstance(inputs, torch.Tensor) or
+                isinstance(inputs, dict) and all(isinstance(v, torch.Tensor) for v in inputs.values())):
+            return None, None
+        model = unwrap(self.model)
+        was_training = model.training
+        model.eval()
+        out = call_model(model, self._to_device(inputs))
+        model.train(was_training)
+        array = (lambda t: t.float().cpu().numpy() if t.is_floating_point() else t.cpu().numpy())
+        example = array(inputs) if isinstance(inputs, torch.Tensor) else {k: array(v) for k, v in inputs.items()}
+        return example, (list(out.shape[1:]) if isinstance(out, torch.Tensor) else None)
 
     def _say(self, msg: str) -> None:
         if self.ctx.is_main:

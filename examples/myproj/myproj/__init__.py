@@ -1,0 +1,1 @@
+"""An example project of your own, trained by gpuflow without any change to gpuflow."""

@@ -1,0 +1,141 @@
+"""What a batch is and what training minimises and reports: the objective.
+
+Batches: a tensor (inputs, no target), a tuple/list `(inputs..., target)`, or a dict whose
+`target`/`label`/`labels`/`y` entry is the target and whose other entries are the model's
+keyword inputs. Outputs: a tensor, or a dict (classification reads its `logits`).
+
+An objective is `classification` (cross-entropy, accuracy: the default) or a reference to
+user code (`--objective myproj.losses:Regression`), one of:
+- a class or object with `loss(output, target)` -> scalar tensor, the batch mean; optionally
+  `metrics(output, target)` -> {name: (sum, count)} per batch, which gpuflow all-reduces and
+  divides (an exact mean over every sample of every rank, never a mean of means), and
+  `epoch_metrics(outputs, targets)` -> {name: float}, given the whole validation set's
+  outputs gathered to rank 0 once an epoch (each sample once, in dataset order), for
+  metrics that need it (AUC, F1); and `monitor` (a metric name, default "loss") with
+  `mode` ("min" or "max"), what the retrain flow compares;
+- a loss function or an `nn.Module` loss class (e.g. `torch.nn:MSELoss`): the loss alone.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+
+TARGET_KEYS = ("target", "label", "labels", "y")
+CLASSIFICATION = "classification"
+
+
+# --- batches -------------------------------------------------------------------------
+
+
+def split_batch(batch) -> tuple[Any, Any]:
+    """(inputs, target) of a batch; target None for a bare tensor."""
+    if isinstance(batch, torch.Tensor):
+        return batch, None
+    if isinstance(batch, dict):
+        key = next((k for k in TARGET_KEYS if k in batch), None)
+        return {k: v for k, v in batch.items() if k != key}, (batch[key] if key else None)
+    if isinstance(batch, (tuple, list)) and len(batch) >= 2:
+        return (batch[0] if len(batch) == 2 else tuple(batch[:-1])), batch[-1]
+    if isinstance(batch, (tuple, list)) and len(batch) == 1:
+        return batch[0], None
+    raise TypeError(f"a batch must be a tensor, a tuple/list (inputs..., target) or a dict; got {type(batch).__name__}")
+
+
+def call_model(model: nn.Module, inputs):
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    if isinstance(inputs, tuple):
+        return model(*inputs)
+    return model(inputs)
+
+
+def apply(obj, fn):
+    """fn on every tensor of nested tuples/lists/dicts."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: apply(v, fn) for k, v in obj.items()}
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(apply(v, fn) for v in obj)
+    return obj
+
+
+def first_tensor(obj) -> torch.Tensor | None:
+    if isinstance(obj, torch.Tensor):
+        return obj
+    values = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (tuple, list)) else ()
+    return next((t for t in map(first_tensor, values) if t is not None), None)
+
+
+def batch_len(obj) -> int:
+    t = first_tensor(obj)
+    return len(t) if t is not None and t.dim() > 0 else 1
+
+
+def shapes(obj) -> str:
+    """'(2, 1, 28, 28) float32' or "{'x': (2, 3) float32}" for messages."""
+    if isinstance(obj, torch.Tensor):
+        return f"{tuple(obj.shape)} {str(obj.dtype).removeprefix('torch.')}"
+    if isinstance(obj, dict):
+        return "{" + ", ".join(f"{k!r}: {shapes(v)}" for k, v in obj.items()) + "}"
+    if isinstance(obj, (tuple, list)):
+        return "(" + ", ".join(shapes(v) for v in obj) + ")"
+    return type(obj).__name__
+
+
+# --- objectives ------------------------------------------------------------------------
+
+
+class Classification:
+    """Cross-entropy and accuracy; the model's output is (N, classes) scores (or a dict's `logits`)."""
+
+    monitor, mode = "accuracy", "max"
+
+    @staticmethod
+    def scores(output) -> torch.Tensor:
+        return output["logits"] if isinstance(output, dict) else output
+
+    def loss(self, output, target) -> torch.Tensor:
+        return nn.functional.cross_entropy(self.scores(output).float(), target)
+
+    def metrics(self, output, target) -> dict:
+        return {"accuracy": ((self.scores(output).argmax(1) == target).sum(), len(target))}
+
+
+class Objective:
+    """A user objective (or Classification) behind one interface; see the module's doc."""
+
+    def __init__(self, spec):
+        self.spec = spec
+        self.name = getattr(spec, "__name__", type(spec).__name__)
+        self.loss = spec.loss if hasattr(spec, "loss") else spec
+        self.metrics = getattr(spec, "metrics", None)
+        self.epoch_metrics = getattr(spec, "epoch_metrics", None)
+        self.monitor = getattr(spec, "monitor", "loss")
+        self.mode = getattr(spec, "mode", "min")
+        self.is_classification = isinstance(spec, Classification)
+
+    def batch_metrics(self, output, target) -> dict[str, tuple[torch.Tensor, int]]:
+        return dict(self.metrics(output, target)) if self.metrics else {}
+
+
+def load_objective(name: str, code_root: str | None = None) -> Objective:
+    """The objective a config names: `classification`, or a reference to user code."""
+    if name == CLASSIFICATION:
+        return Objective(Classification())
+    from .refs import CodeReferenceError, describe_error, resolve
+
+    target = resolve(name, code_root, "objective")
+    try:
+        if inspect.isclass(target):
+            target = target()  # a loss module (nn.MSELoss) or an objective class
+    except Exception as e:
+        raise CodeReferenceError(f"objective {name!r}: {target.__name__}() raised {describe_error(e)}") from None
+    if not (hasattr(target, "loss") and callable(target.loss)) and not callable(target):
+        raise CodeReferenceError(f"objective {name!r} is a {type(target).__name__}: name a loss function, an "
+                                 "nn.Module loss class, or a class with loss(output, target)")
+    return Objective(target)

@@ -1,0 +1,84 @@
+"""The user-code check the flow runs before any worker starts: one small batch, on the CPU.
+
+It builds the user's model, reads two training samples through the dataset factory, runs one
+forward pass and the objective's loss, and refuses what would fail later in every rank:
+samples that cannot be batched, a batch the model cannot take (both shapes named), labels
+outside the model's output size, a loss that is not a scalar, metrics of the wrong form.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import default_collate
+
+from .builder import make_model
+from .config import TrainConfig
+from .data import load_data
+from .errors import DatasetError, UserError
+from .objective import Classification, call_model, load_objective, shapes, split_batch
+from .refs import describe_error
+
+
+@torch.no_grad()
+def check_user_code(cfg: TrainConfig, world_size: int = 1) -> dict:
+    """{"num_classes": the classes (the data's, else the model's output size), "output_shape"}."""
+    bundle = load_data(cfg, fingerprint=False)
+    if len(bundle.train) < world_size:
+        raise DatasetError(f"dataset {cfg.dataset!r} has {len(bundle.train)} training samples, fewer than the "
+                           f"{world_size} processes; add data or run fewer processes")
+    model, _ = make_model(cfg.model, bundle.num_classes, bundle.input_shape, cfg.model_args, cfg.code_root)
+    objective = load_objective(cfg.objective, cfg.code_root)
+    try:
+        batch = default_collate([bundle.train[i] for i in range(min(2, len(bundle.train)))])
+    except Exception as e:
+        raise DatasetError(f"dataset {cfg.dataset!r}: two training samples cannot be batched: "
+                           f"{describe_error(e)}; return tensors (or tuples/dicts of them) of one shape") from None
+    inputs, target = split_batch(batch)
+    what = f"model {cfg.model!r} on a batch of dataset {cfg.dataset!r}: inputs {shapes(inputs)}"
+    try:
+        out = call_model(model.eval(), inputs)
+    except Exception as e:
+        raise UserError(f"{what} fails: {describe_error(e)}; make the model's input match the samples "
+                        "(model_args, or the dataset's transform)") from None
+    num_classes = bundle.num_classes
+    if objective.is_classification:
+        num_classes = _check_classification(cfg, bundle, out, target, what)
+    try:
+        loss = objective.loss(out, target)
+    except Exception as e:
+        raise UserError(f"objective {cfg.objective!r}: its loss on outputs {shapes(out)} and target "
+                        f"{shapes(target)} raised {describe_error(e)}") from None
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        got = f"shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else f"a {type(loss).__name__}"
+        raise UserError(f"objective {cfg.objective!r}: its loss returned {got}; it must return a scalar tensor, "
+                        "the batch mean (e.g. end with .mean())")
+    try:
+        for total, count in objective.batch_metrics(out, target).values():
+            float(total), int(count)
+    except Exception as e:
+        raise UserError(f"objective {cfg.objective!r}: metrics must return {{name: (sum over the batch, count)}}; "
+                        f"got an error reading them: {describe_error(e)}") from None
+    return {"num_classes": num_classes,
+            "output_shape": list(out.shape[1:]) if isinstance(out, torch.Tensor) else None}
+
+
+def _check_classification(cfg: TrainConfig, bundle, out, target, what: str) -> int:
+    scores = Classification.scores(out)
+    if not isinstance(scores, torch.Tensor) or scores.dim() != 2 or scores.shape[1] < 2:
+        got = shapes(scores)
+        raise UserError(f"{what}: the output is {got}, but classification needs class scores (batch, classes >= 2); "
+                        "return one score per class, or set objective to your own loss")
+    classes = scores.shape[1]
+    if bundle.num_classes and bundle.num_classes != classes:
+        raise UserError(f"{what}: the dataset has {bundle.num_classes} classes but the model outputs {classes} scores; "
+                        "set the model's output size (model_args, or take num_classes in its constructor)")
+    if not isinstance(target, torch.Tensor) or target.is_floating_point():
+        raise DatasetError(f"dataset {cfg.dataset!r}: classification needs integer class labels as targets; got "
+                           f"{shapes(target)}; return (input, label) samples, or set objective to your own loss")
+    labels = getattr(bundle.train, "targets", None)
+    labels = torch.as_tensor(labels) if labels is not None else target
+    low, high = int(labels.min()), int(labels.max())
+    if low < 0 or high >= classes:
+        raise DatasetError(f"dataset {cfg.dataset!r}: labels run {low}..{high}, outside the model's {classes} "
+                           f"outputs (0..{classes - 1}); fix the labels or the model's output size")
+    return classes

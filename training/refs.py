@@ -1,0 +1,125 @@
+"""References to a user's own code: `package.module:Name` or `path/to/file.py:Name`.
+
+    gpuflow run --model myproj.nets:Net --dataset myproj.data:datasets
+    gpuflow run --model ./nets.py:Net
+
+A module reference is imported from the project folder (`code_root`: where gpuflow was
+started, or the served deployment's folder), the way `python -m` would; a file reference is
+loaded from that file under a module name of its own, with its folder on the path so its
+sibling imports work. Errors name the reference, show the real cause and say what to fix.
+Torch-free: the flow validates references before anything heavy starts.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import importlib
+import importlib.util
+import re
+import sys
+import traceback
+from pathlib import Path
+
+from .errors import UserError
+
+DOTTED = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+
+
+class CodeReferenceError(UserError):
+    """A reference to user code cannot be used; the message names it, the cause and the fix."""
+
+
+def is_reference(value: str | None) -> bool:
+    return bool(value) and ":" in value and not value.startswith("imagefolder:")
+
+
+def split(ref: str) -> tuple[str, str]:
+    """('myproj.nets', 'Net') or ('/abs/nets.py', 'Net')."""
+    where, _, attr = ref.rpartition(":")
+    return where, attr
+
+
+def is_file_reference(ref: str) -> bool:
+    where, _ = split(ref)
+    return where.endswith(".py") or "/" in where
+
+
+def normalize(ref: str) -> str:
+    """Check a reference's form; a file reference becomes absolute (the workers run elsewhere)."""
+    where, attr = split(ref)
+    example = "use package.module:Name (e.g. myproj.nets:Net) or path/to/file.py:Name"
+    if not DOTTED.fullmatch(attr):
+        raise ValueError(f"{ref!r} names no attribute after ':'; {example}")
+    if is_file_reference(ref):
+        path = Path(where).expanduser().resolve()
+        if path.suffix != ".py" or not path.is_file():
+            raise ValueError(f"{ref!r}: no Python file {str(path)!r}; {example}")
+        return f"{path}:{attr}"
+    if not DOTTED.fullmatch(where):
+        raise ValueError(f"{ref!r} is not a reference; {example}")
+    return ref
+
+
+def top_package(ref: str) -> str | None:
+    """The top-level package a module reference imports (None for a file reference)."""
+    return None if is_file_reference(ref) else split(ref)[0].split(".")[0]
+
+
+def _file_module(path: Path):
+    """Load a file as a module of its own (unique name: two projects' `nets.py` never clash)."""
+    name = f"gpuflow_user_{re.sub(r'[^A-Za-z0-9_]', '_', path.stem)}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
+    if name in sys.modules:
+        return sys.modules[name]
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+def _where_raised(e: BaseException) -> str:
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if "importlib" not in f.filename]
+    return f" (at {frames[-1].filename}, line {frames[-1].lineno})" if frames else ""
+
+
+def resolve(ref: str, code_root: str | None, what: str = "reference"):
+    """Import the module of `ref` and return its attribute; CodeReferenceError otherwise."""
+    where, attr = split(ref)
+    try:
+        if is_file_reference(ref):
+            module = _file_module(Path(where))
+        else:
+            if code_root and code_root not in sys.path:
+                sys.path.insert(0, code_root)
+            module = importlib.import_module(where)
+    except ModuleNotFoundError as e:
+        if e.name and (where == e.name or where.startswith(e.name + ".")):
+            raise CodeReferenceError(
+                f"{what} {ref!r}: no module {e.name!r} in {code_root or 'the Python path'}; run gpuflow "
+                "from your project's folder (the one holding the package), or check the name") from None
+        raise CodeReferenceError(f"{what} {ref!r}: importing {where!r} failed: {type(e).__name__}: {e}"
+                                 f"{_where_raised(e)}; install the missing package or fix the import") from None
+    except Exception as e:
+        raise CodeReferenceError(f"{what} {ref!r}: importing {where!r} failed: {type(e).__name__}: {e}"
+                                 f"{_where_raised(e)}") from None
+    target = module
+    for part in attr.split("."):
+        if not hasattr(target, part):
+            names = [n for n in dir(target) if not n.startswith("_")]
+            close = difflib.get_close_matches(part, names, n=3)
+            hint = f"did you mean {', '.join(close)}?" if close else f"it has: {', '.join(names[:12]) or 'nothing'}"
+            raise CodeReferenceError(f"{what} {ref!r}: {where!r} has no attribute {part!r}; {hint}")
+        target = getattr(target, part)
+    return target
+
+
+def describe_error(e: BaseException) -> str:
+    """`Type: message (at file, line N)` for an error raised by user code."""
+    return f"{type(e).__name__}: {e}{_where_raised(e)}"
