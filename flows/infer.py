@@ -20,6 +20,7 @@ from gpuflow.tasks.cards import card_locks
 from gpuflow.tasks.probe import probe_environment, read_environment
 from gpuflow.tasks.registry import checkpoint_of, evaluate_checkpoint, resolve_version, run_on_device
 
+from .allow import check_allowed
 from .params import EvaluateParams, InferParams, flat_parameters
 
 
@@ -28,6 +29,7 @@ from .params import EvaluateParams, InferParams, flat_parameters
 @flat_parameters(EvaluateParams)
 def evaluate_model(params: EvaluateParams) -> dict:
     """Load a model version (or a checkpoint) onto one assigned device and report its accuracy."""
+    check_allowed(params)
     plan = one_device_plan(probe_environment(), params.gpus)
     with card_locks(plan) as locks, tempfile.TemporaryDirectory() as d:  # the card is ours, as training's is
         ck, version = model_checkpoint(params, Path(d))

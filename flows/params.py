@@ -170,7 +170,9 @@ class RetrainParams(PipelineParams):
     """The retrain flow: a challenger trained by the pipeline, then compared with the champion."""
 
     eval_gpus: Gpus = "auto"
-    metric: Literal["accuracy", "loss"] = Field("accuracy", description="what makes a challenger better")
+    metric: str = Field("auto", description="what makes a challenger better: auto (the objective's own: "
+                        "accuracy for classification), loss (lower), accuracy (higher), or a metric of your "
+                        "objective (compared by its mode)")
 
     def pipeline(self) -> dict:
         return self.model_dump(include=set(user_fields(PipelineParams)))

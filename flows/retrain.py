@@ -16,26 +16,43 @@ from gpuflow.tasks.cards import card_locks, device_slot
 from gpuflow.tasks.probe import probe_environment
 from gpuflow.tasks.registry import champion_version, evaluate_version, promote
 from gpuflow.tasks.results import OUTCOME_TAG
+from gpuflow.training.errors import UserError
 
+from .allow import check_allowed
 from .params import RetrainParams, flat_parameters
 from .train import train_pipeline
 
 
-def is_better(challenger: dict, champion: dict | None, metric: str) -> bool:
+def compared(metric: str, evaluation: dict) -> tuple[str, str]:
+    """(the metric compared, "min" or "max"): `auto` is the objective's own (accuracy for
+    classification); loss is lower-is-better, accuracy higher; others follow the objective."""
+    if metric == "auto":
+        metric, mode = evaluation["monitor"], evaluation["mode"]
+    else:
+        mode = {"loss": "min", "accuracy": "max"}.get(metric, evaluation.get("mode", "min"))
+    if metric not in evaluation:
+        found = ", ".join(k for k, v in evaluation.items() if isinstance(v, float))
+        raise UserError(f"metric={metric!r}: the evaluation reports no such metric (it has {found}); "
+                        "use auto, loss, or one of those")
+    return metric, mode
+
+
+def is_better(challenger: dict, champion: dict | None, metric: str, mode: str = "max") -> bool:
     if champion is None:
         return True
-    if metric == "loss":
-        return challenger["loss"] < champion["loss"]
-    return challenger["accuracy"] > champion["accuracy"]
+    if mode == "min":
+        return challenger[metric] < champion[metric]
+    return challenger[metric] > champion[metric]
 
 
-def outcome(promoted: bool, challenger: dict, champion: dict | None, metric: str, champion_v: str | None) -> str:
+def outcome(promoted: bool, challenger: dict, champion: dict | None, metric: str, champion_v: str | None,
+            mode: str = "max") -> str:
     """The challenger version's outcome tag: the decision and the two scores it compared."""
     if champion is None:
         return f"promoted: {metric} {challenger[metric]:.4f}, no champion before"
-    sign = (">" if metric == "accuracy" else "<") if promoted else ("<=" if metric == "accuracy" else ">=")
-    return (f"{'promoted' if promoted else 'rejected'}: {metric} {challenger[metric]:.4f} {sign} "
-            f"champion v{champion_v} {champion[metric]:.4f}")
+    better, worse = (">", "<=") if mode == "max" else ("<", ">=")
+    return (f"{'promoted' if promoted else 'rejected'}: {metric} {challenger[metric]:.4f} "
+            f"{better if promoted else worse} champion v{champion_v} {champion[metric]:.4f}")
 
 
 @flow(name="retrain", flow_run_name="retrain-{model}-{dataset}", validate_parameters=False)
@@ -43,9 +60,10 @@ def outcome(promoted: bool, challenger: dict, champion: dict | None, metric: str
 def retrain(params: RetrainParams) -> dict:
     """Train a challenger with the pipeline and move `champion` to it only if it is better."""
     log = get_run_logger()
+    check_allowed(params)
     trained = train_pipeline(**params.pipeline())
     client = store.prepare_store(params.tracking_uri or store.default_tracking_uri())
-    name, metric = params.registered_model, params.metric
+    name = params.registered_model
     challenger_v = str(trained["model_version"])
     champion_v = champion_version(name)
     # The evaluations use a device as training does: a slot of the host's limit, the card's lock.
@@ -56,7 +74,8 @@ def retrain(params: RetrainParams) -> dict:
             challenger = evaluate_version(name, challenger_v, plan, dataset=params.dataset, hold_fds=locks.fds)
             champion = (evaluate_version(name, champion_v, plan, dataset=params.dataset, hold_fds=locks.fds)
                         if champion_v and champion_v != challenger_v else None)
-    promoted = is_better(challenger, champion, metric)
+    metric, mode = compared(params.metric, challenger)
+    promoted = is_better(challenger, champion, metric, mode)
     if promoted:
         promote(name, challenger_v)
     decision = {
@@ -70,7 +89,7 @@ def retrain(params: RetrainParams) -> dict:
     for k, v in decision.items():
         client.set_tag(trained["run_id"], k, v)
     client.set_model_version_tag(name, challenger_v, OUTCOME_TAG, outcome(promoted, challenger, champion,
-                                                                         metric, champion_v))
+                                                                         metric, champion_v, mode))
     create_markdown_artifact(key="retrain-decision", markdown=(
         f"# Retrain: {decision['retrain.decision']}\n\n| | version | {metric} |\n|---|---|---|\n"
         f"| challenger | {challenger_v} | {decision['retrain.challenger_score']} |\n"

@@ -12,6 +12,7 @@ scheduled retrain and a manual run never train at once: the second waits for the
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 
@@ -75,6 +76,9 @@ def main(settings: Settings | None = None) -> None:
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     settings = settings or Settings()
+    # The runs this process starts read the allowlist from its environment (flows/allow.py).
+    os.environ["GPUFLOW_ALLOW_CODE"] = ",".join(sorted(settings.allowed_packages))
+    os.environ["GPUFLOW_ALLOW_PATHS"] = ",".join(map(str, settings.allowed_folders))
     with temporary_settings(updates={PREFECT_API_URL: PREFECT_API_URL.value() or settings.prefect_api_url}):
         ensure_device_limit()
         interrupt_on_ctrl_c()

@@ -11,6 +11,7 @@ Every address defaults to 127.0.0.1: reachable from another machine only when se
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -28,6 +29,20 @@ class Settings(BaseSettings):
     mlflow_port: int = Field(5000, ge=1, le=65535, description="port of the MLflow UI")
     retrain_cron: str = Field("0 2 * * *", description="schedule of the served retrain/nightly deployment")
     timezone: str = Field("UTC", description="time zone of retrain_cron")
+    allow_code: str = Field("", description="served deployments: comma-separated top-level packages whose "
+                            "code a run may name (--model myproj.nets:Net needs myproj); none by default")
+    allow_paths: str = Field("", description="served deployments: comma-separated folders that file references "
+                             "and path parameters (data_root, runs_dir, resume, ...) must lie in; default: the "
+                             "folder `gpuflow serve` runs in")
+
+    @property
+    def allowed_packages(self) -> set[str]:
+        return {p.strip() for p in self.allow_code.split(",") if p.strip()}
+
+    @property
+    def allowed_folders(self) -> list[Path]:
+        folders = [Path(p.strip()).expanduser().resolve() for p in self.allow_paths.split(",") if p.strip()]
+        return folders or [Path.cwd().resolve()]
 
     @property
     def prefect_api_url(self) -> str:

@@ -24,6 +24,7 @@ from gpuflow.tasks.launch import launch_training, preflight
 from gpuflow.tasks.probe import EnvironmentReport, probe_environment
 from gpuflow.training.errors import UserError
 
+from .allow import check_allowed
 from .params import PipelineParams, flat_parameters
 from .settings import Settings
 
@@ -96,6 +97,7 @@ def entry_point() -> str:
 @flat_parameters(PipelineParams)
 def train_pipeline(params: PipelineParams) -> dict:
     """Train a model on the best devices of this host and log one MLflow run."""
+    check_allowed(params)  # a served deployment's run names only what the operator allowed
     with device_slot():  # served runs on one host queue here
         return pipeline(params)
 

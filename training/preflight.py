@@ -75,10 +75,19 @@ def _check_classification(cfg: TrainConfig, bundle, out, target, what: str) -> i
     if not isinstance(target, torch.Tensor) or target.is_floating_point():
         raise DatasetError(f"dataset {cfg.dataset!r}: classification needs integer class labels as targets; got "
                            f"{shapes(target)}; return (input, label) samples, or set objective to your own loss")
-    labels = getattr(bundle.train, "targets", None)
-    labels = torch.as_tensor(labels) if labels is not None else target
+    labels = _all_labels(bundle.train)
+    labels = labels if labels is not None else target  # else the batch's: decoding every sample is a job for training
     low, high = int(labels.min()), int(labels.max())
     if low < 0 or high >= classes:
         raise DatasetError(f"dataset {cfg.dataset!r}: labels run {low}..{high}, outside the model's {classes} "
                            f"outputs (0..{classes - 1}); fix the labels or the model's output size")
     return classes
+
+
+def _all_labels(dataset) -> torch.Tensor | None:
+    """Every label, when the dataset holds them apart (torchvision's `targets`, a TensorDataset)."""
+    if getattr(dataset, "targets", None) is not None:
+        return torch.as_tensor(dataset.targets)
+    if isinstance(dataset, torch.utils.data.TensorDataset) and len(dataset.tensors) >= 2:
+        return dataset.tensors[-1]
+    return None

@@ -85,7 +85,10 @@ def _file_module(path: Path):
 
 
 def _where_raised(e: BaseException) -> str:
-    frames = [f for f in traceback.extract_tb(e.__traceback__) if "importlib" not in f.filename]
+    if isinstance(e, SyntaxError):  # its message names the file and line already
+        return ""
+    frames = [f for f in traceback.extract_tb(e.__traceback__)
+              if "importlib" not in f.filename and f.filename != __file__]
     return f" (at {frames[-1].filename}, line {frames[-1].lineno})" if frames else ""
 
 

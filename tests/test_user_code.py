@@ -1,0 +1,268 @@
+"""The user's own model, data and objective (gpuflow/training/refs.py, builder.py, objective.py).
+
+The user project is examples/myproj copied into a temporary folder with its package renamed
+`training`: a project with a `training/` package of its own, as the issue asks, next to
+gpuflow's `gpuflow.training`. End-to-end runs start `gpuflow run` from that folder, as a
+user does, against the session's Prefect server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import mlflow
+import pytest
+import torch
+
+from gpuflow.training import TrainConfig
+from gpuflow.training.errors import UserError
+from gpuflow.training.preflight import check_user_code
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "myproj"
+GPUFLOW = Path(sys.executable).parent / "gpuflow"
+
+BLOCK_GPUFLOW = textwrap.dedent("""
+    import importlib.abc, sys
+    class Block(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name == "gpuflow" or name.startswith("gpuflow."):
+                raise ImportError("gpuflow is blocked in this process: " + name)
+    sys.meta_path.insert(0, Block())
+""")
+
+
+def user_project(dest: Path) -> Path:
+    """examples/myproj with its package renamed `training` (imports rewritten)."""
+    shutil.copytree(EXAMPLE / "myproj", dest / "training")
+    for f in (dest / "training").glob("*.py"):
+        f.write_text(f.read_text().replace("myproj.", "training."))
+    return dest
+
+
+def gpuflow(args: list[str], cwd: Path, api: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_API"))}
+    env["PREFECT_API_URL"] = api
+    return subprocess.run([str(GPUFLOW), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def fresh_python(code: str, cwd: Path, block: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", (BLOCK_GPUFLOW if block else "") + textwrap.dedent(code)],
+                          cwd=cwd, capture_output=True, text=True, timeout=300,
+                          env={k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")})
+
+
+# --- bad input: refused before any worker starts, naming the reference and the fix ------------
+
+
+def write(folder: Path, name: str, code: str) -> str:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / name).write_text(textwrap.dedent(code))
+    return str(folder / name)
+
+
+GOOD = """
+    import torch
+    from torch import nn
+    from torch.utils.data import TensorDataset
+    class Net(nn.Module):
+        def __init__(self, num_classes=3, width=8):
+            super().__init__()
+            self.fc = nn.Linear(4, num_classes)
+        def forward(self, x):
+            return self.fc(x)
+    def datasets(root):
+        x = torch.randn(12, 4)
+        return TensorDataset(x, torch.arange(12) % 3), TensorDataset(x[:4], torch.arange(4) % 3)
+"""
+
+BAD_ROWS = {  # name: (extra code, config overrides, what the message must say)
+    "module not importable": ("", dict(model="nosuchpkg_xyz.nets:Net"), "no module 'nosuchpkg_xyz'"),
+    "import error inside the module": ("import not_installed_abc\n", {}, "No module named 'not_installed_abc'"),
+    "attribute missing": ("", dict(model="{f}:Nett"), "did you mean Net"),
+    "not a module or factory": ("VALUE = 3\n", dict(model="{f}:VALUE"), "not an nn.Module class or a function"),
+    "factory returns no module": ("def make():\n    return 3\n", dict(model="{f}:make"), "returned a int, not an nn.Module"),
+    "factory raises": ("def make():\n    raise ValueError('no weights here')\n", dict(model="{f}:make"),
+                       "ValueError: no weights here"),
+    "wrong model_args": ("", dict(model_args={"widht": 3}), "unexpected keyword argument 'widht'"),
+    "datasets not two": ("def one(root):\n    return [1, 2, 3]\n", dict(dataset="{f}:one"), "returned a list of 3"),
+    "empty dataset": ("def empty(root):\n    return TensorDataset(torch.zeros(0, 4), torch.zeros(0)), "
+                      "TensorDataset(torch.zeros(1, 4), torch.zeros(1))\n", dict(dataset="{f}:empty"),
+                      "its train set is empty"),
+    "sample the model cannot take": (
+        "def wide(root):\n    x = torch.randn(6, 5)\n    return TensorDataset(x, torch.arange(6) % 3), "
+        "TensorDataset(x, torch.arange(6) % 3)\n", dict(dataset="{f}:wide"), "inputs (2, 5) float32"),
+    "labels outside the outputs": (
+        "def big(root):\n    x = torch.randn(6, 4)\n    return TensorDataset(x, torch.arange(6)), "
+        "TensorDataset(x, torch.arange(6))\n", dict(dataset="{f}:big"), "labels run 0..5, outside the model's 3"),
+    "loss not a scalar": ("def per_sample(out, y):\n    return (out - 1).abs().sum(1)\n",
+                          dict(objective="{f}:per_sample"), "loss returned shape (2,)"),
+}
+
+
+@pytest.mark.parametrize("row", list(BAD_ROWS))
+def test_bad_user_code_is_refused_in_preflight_with_its_cause(row, tmp_path):
+    extra, overrides, message = BAD_ROWS[row]
+    f = write(tmp_path / row.replace(" ", "_"), "proj.py", textwrap.dedent(GOOD) + extra)
+    fields = {"model": "{f}:Net", "dataset": "{f}:datasets", **overrides}
+    fields = {k: v.format(f=f) if isinstance(v, str) else v for k, v in fields.items()}
+    with pytest.raises(UserError) as e:
+        check_user_code(TrainConfig(**fields, code_root=str(tmp_path), data_root=str(tmp_path)), world_size=2)
+    assert message in str(e.value), str(e.value)
+    assert any(repr(v) in str(e.value) or f" {v} " in str(e.value) for v in fields.values() if isinstance(v, str)), \
+        f"the message names no reference: {e.value}"
+
+
+def test_a_good_user_project_passes_preflight_and_reports_its_classes(tmp_path):
+    f = write(tmp_path, "proj.py", GOOD)
+    out = check_user_code(TrainConfig(model=f"{f}:Net", dataset=f"{f}:datasets", code_root=str(tmp_path)))
+    assert out == {"num_classes": 3, "output_shape": [3]}
+
+
+def test_references_are_checked_at_declaration():
+    with pytest.raises(ValueError, match="no Python file"):
+        TrainConfig(model="./missing.py:Net")
+    with pytest.raises(ValueError, match="names no attribute"):
+        TrainConfig(model="myproj.nets:")
+    with pytest.raises(ValueError, match="model_args apply to a model of your own"):
+        TrainConfig(model="mlp", model_args={"width": 3})
+
+
+def test_a_refused_user_model_is_one_line_and_leaves_no_run(tmp_path, api_url):
+    proj = user_project(tmp_path / "proj")
+    out = gpuflow(["run", "--model", "training.nets:Nett", "--dataset", "training.data:datasets", "--epochs", "1"],
+                  proj, api_url)
+    assert out.returncode == 2, out.stderr[-2000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("gpuflow run: model 'training.nets:Nett'") and "did you mean Net" in last, last
+    assert "Traceback" not in out.stderr
+    assert not (proj / "mlflow.db").exists()  # refused before the MLflow run
+
+
+# --- the served-deployment allowlist ------------------------------------------------------
+
+
+def test_served_runs_name_only_allowed_packages_and_folders(tmp_path, monkeypatch):
+    from gpuflow.flows import allow
+    from gpuflow.flows.params import PipelineParams
+    from gpuflow.flows.settings import Settings
+
+    monkeypatch.chdir(tmp_path)
+    f = write(tmp_path / "inside", "nets.py", GOOD)
+    outside = write(tmp_path.parent / f"{tmp_path.name}-outside", "nets.py", GOOD)
+    settings = Settings(allow_code="myproj", allow_paths=str(tmp_path))
+    params = PipelineParams(model="myproj.nets:Net", dataset=f"{f}:datasets")
+    allow.check_allowed(params, settings)  # a local run: never checked
+    monkeypatch.setattr(allow.deployment, "get_id", lambda: "a-deployment-id")
+    allow.check_allowed(params, settings)  # allowed package, file inside the allowed folder
+    refused = {
+        "package 'myproj_evil' is not allowed": PipelineParams(model="myproj_evil.nets:Net"),
+        "package 'os' is not allowed": PipelineParams(objective="os:system"),
+        "is outside the folders": PipelineParams(model=f"{outside}:Net"),
+        "data_root='/etc' is outside": PipelineParams(data_root="/etc"),
+        "runs_dir='/tmp/elsewhere' is outside": PipelineParams(runs_dir="/tmp/elsewhere"),
+    }
+    for message, bad in refused.items():
+        with pytest.raises(allow.NotAllowed, match=message.replace("(", r"\(")):
+            allow.check_allowed(bad, settings)
+    with pytest.raises(allow.NotAllowed, match="allowed: none"):
+        allow.check_allowed(PipelineParams(model="myproj.nets:Net"), Settings())
+
+
+# --- end to end: DDP with 2 gloo processes, 1 vs 2 equal, checkpoint, registry ---------------
+
+
+@pytest.fixture(scope="module")
+def api_url(prefect_api):
+    from prefect.settings import PREFECT_API_URL
+
+    return PREFECT_API_URL.value()
+
+
+@pytest.fixture(scope="module")
+def trained(api_url, tmp_path_factory):
+    """The classifier and the regression, each with 1 and 2 processes, from the user's folder."""
+    base = tmp_path_factory.mktemp("user")
+    proj = user_project(base / "proj")
+    store = base / "store"  # outside the project: the project folder moves later
+    runs = {}
+    jobs = {"classifier": ["--model", "training.nets:Net", "--model-args", '{"width": 32}',
+                           "--dataset", "training.data:datasets", "--registered-model", "blobs"],
+            "regression": ["--model", "training.regression:Regressor", "--dataset", "training.regression:datasets",
+                           "--objective", "training.regression:MSE", "--registered-model", "points"]}
+    for job, args in jobs.items():
+        for procs in (1, 2):
+            out = gpuflow(["run", *args, "--epochs", "2", "--cpu-processes", str(procs), "--strategy",
+                           "ddp", "--tracking-uri", f"sqlite:///{store / 'mlflow.db'}",
+                           "--runs-dir", str(store / "runs")], proj, api_url)
+            assert out.returncode == 0, out.stderr[-3000:]
+            runs[job, procs] = json.loads(out.stdout[out.stdout.index("{"):])
+    mlflow.set_tracking_uri(f"sqlite:///{store / 'mlflow.db'}")
+    return base, proj, store, runs
+
+
+def test_user_models_train_under_ddp_with_equal_metrics_on_1_and_2_processes(trained):
+    *_, runs = trained
+    for job, keys in (("classifier", ("train_loss", "val_loss", "val_accuracy")),
+                      ("regression", ("train_loss", "val_loss", "val_mae", "val_r2"))):
+        one, two = runs[job, 1], runs[job, 2]
+        assert (one["status"], two["status"], two["world_size"]) == ("FINISHED", "FINISHED", 2)
+        for k in keys:
+            assert one["final_metrics"][k] == pytest.approx(two["final_metrics"][k], rel=1e-4, abs=1e-6), (job, k)
+    assert runs["classifier", 2]["final_metrics"]["val_accuracy"] > 0.8
+    run = mlflow.MlflowClient().get_run(runs["classifier", 2]["run_id"])
+    assert run.data.params["model"] == "training.nets:Net" and run.data.params["model_args.width"] == "32"
+
+
+def test_the_checkpoint_loads_strict_into_the_users_own_class(trained):
+    _, proj, store, runs = trained
+    run_id = runs["classifier", 2]["run_id"]
+    ck = sorted((store / "runs" / run_id / "checkpoints").glob("epoch-*.pt"))[-1]
+    out = fresh_python(f"""
+        import torch
+        from training.nets import Net
+        ck = torch.load({str(ck)!r}, weights_only=True)
+        assert ck["model_spec"] == {{"reference": "training.nets:Net", "kwargs": {{"width": 32, "num_classes": 3,
+                                    "input_shape": [8]}}}}, ck["model_spec"]
+        Net(**ck["model_spec"]["kwargs"]).load_state_dict(ck["model"], strict=True)
+        print("loaded")
+    """, cwd=proj)
+    assert out.returncode == 0 and "loaded" in out.stdout, out.stderr[-2000:]
+
+
+def test_prepare_data_ran_once_in_the_flow_and_ranks_only_opened_it(trained):
+    _, proj, *_ = trained
+    assert torch.load(proj / "data" / "myproj-blobs.pt", weights_only=True)["x"].shape == (900, 8)
+
+
+def test_registered_user_models_predict_in_a_fresh_process_without_gpuflow_after_the_project_moved(trained):
+    base, proj, store, _ = trained
+    shutil.move(proj, base / "moved")  # the code comes from the model itself now
+    elsewhere = base / "elsewhere"
+    elsewhere.mkdir()
+    out = fresh_python(f"""
+        import mlflow, numpy as np
+        mlflow.set_tracking_uri({f"sqlite:///{store / 'mlflow.db'}"!r})
+        blobs = mlflow.pyfunc.load_model("models:/blobs/2")
+        scores = blobs.predict(blobs.input_example)
+        assert scores.shape == (2, 3), scores.shape
+        assert type(blobs.unwrap_python_model().model).__name__ == "Net"
+        points = mlflow.pyfunc.load_model("models:/points/2")
+        assert points.predict(points.input_example).shape == (2, 1)
+        print("predicted", sorted(points.input_example))
+    """, cwd=elsewhere)
+    assert out.returncode == 0 and "predicted ['x']" in out.stdout, out.stderr[-3000:]
+    # and in a process that imported gpuflow's own (namespaced) training package first
+    out = fresh_python(f"""
+        import gpuflow.training, mlflow
+        mlflow.set_tracking_uri({f"sqlite:///{store / 'mlflow.db'}"!r})
+        m = mlflow.pyfunc.load_model("models:/blobs/1")
+        print(m.predict(m.input_example).shape)
+    """, cwd=elsewhere, block=False)
+    assert out.returncode == 0 and "(2, 3)" in out.stdout, out.stderr[-3000:]
