@@ -21,12 +21,28 @@ import numpy as np
 from mlflow.pyfunc import PythonModel
 
 
+def _source(root: Path, module_name: str) -> Path:
+    """The file of `module_name` under `root` (the folder holding its top-level package)."""
+    path = root.joinpath(*module_name.split("."))
+    return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+
+
+def _same_code(module_name: str, code: Path, origin: str) -> bool:
+    """Whether the `module_name` this process would import (its top-level package is already
+    imported from `origin`) has the same source as this model's copy."""
+    top = Path(origin)
+    loaded_root = top.parent.parent if top.name == "__init__.py" else top.parent
+    mine, theirs = _source(code, module_name), _source(loaded_root, module_name)
+    return mine.is_file() and theirs.is_file() and mine.read_bytes() == theirs.read_bytes()
+
+
 def _import(reference: str, code: Path):
     module_name, _, attr = reference.rpartition(":")
     top = module_name.split(".")[0]
     loaded = sys.modules.get(top)
     origin = getattr(loaded, "__file__", None) or next(iter(getattr(loaded, "__path__", [])), None)
-    if loaded is not None and origin and code not in Path(origin).resolve().parents:
+    if (loaded is not None and origin and code not in Path(origin).resolve().parents
+            and not _same_code(module_name, code, origin)):
         raise ImportError(f"this model's code is the package {top!r} (in {code}), but this process has "
                           f"already imported another {top!r} from {origin}; load the model in a fresh "
                           "process, or one that has not imported that module")

@@ -215,7 +215,7 @@ def test_user_models_train_under_ddp_with_equal_metrics_on_1_and_2_processes(tra
         assert (one["status"], two["status"], two["world_size"]) == ("FINISHED", "FINISHED", 2)
         for k in keys:
             assert one["final_metrics"][k] == pytest.approx(two["final_metrics"][k], rel=1e-4, abs=1e-6), (job, k)
-    assert runs["classifier", 2]["final_metrics"]["val_accuracy"] > 0.8
+    assert runs["classifier", 2]["final_metrics"]["val_accuracy"] > 0.6  # chance is 1/3
     run = mlflow.MlflowClient().get_run(runs["classifier", 2]["run_id"])
     assert run.data.params["model"] == "training.nets:Net" and run.data.params["model_args.width"] == "32"
 
