@@ -97,7 +97,9 @@ def test_registered_model_loads_as_pyfunc_and_predicts_what_the_checkpoint_does(
     out, store = ddp_run
     client = _client(store)
     model = mlflow.pyfunc.load_model(f"models:/gpuflow-model/{out['model_version']}")
-    assert isinstance(model.unwrap_python_model().model, SimpleNN)
+    # the built-in class from the model's own code (gpuflow's models file ships with it)
+    net = model.unwrap_python_model().model
+    assert (type(net).__name__, type(net).__module__) == ("SimpleNN", "gpuflow_builtin_models")
     val = load_data(PipelineParams(**FAST).train_config()).val
     scores = model.predict(val.x[:32].numpy())
     path = client.download_artifacts(out["run_id"], "checkpoints/epoch-0002.pt", str(tmp_path))
