@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 
 from gpuflow.flows.params import PipelineParams
-from gpuflow.tasks.data import describe_dataset
+from gpuflow.tasks.data import DatasetInfo, describe_dataset
 from gpuflow.tasks.launch import preflight
 from gpuflow.training import TrainConfig, datacache
 from gpuflow.training.checkpoint import CheckpointStore
@@ -127,9 +127,11 @@ def test_a_split_that_leaves_no_training_sample_is_refused_with_the_counts():
 
 def test_preflight_refuses_fewer_training_samples_than_processes():
     cfg, opts = TrainConfig(dataset="synthetic", val_fraction=0.2), PipelineParams()
+    data = DatasetInfo(name="synthetic", num_samples=5, train_samples=4, val_samples=1, num_classes=10,
+                       input_shape=[1, 28, 28], sha256="0" * 64)
     with pytest.raises(DatasetError, match=r"leaves 4 for training.*at least 8 \(one per process\).*fewer processes"):
-        preflight.fn(cfg, opts, 10, [1, 28, 28], num_samples=5, world_size=8)
-    preflight.fn(cfg, opts, 10, [1, 28, 28], num_samples=5, world_size=4)  # one each: accepted
+        preflight.fn(cfg, opts, data, world_size=8)
+    preflight.fn(cfg, opts, data, world_size=4)  # one each: accepted
 
 
 # --- a full disk --------------------------------------------------------------------
