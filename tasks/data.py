@@ -63,7 +63,7 @@ def describe_dataset(cfg: TrainConfig) -> DatasetInfo:
 def describe_user_data(cfg: TrainConfig) -> DatasetInfo:
     """The user's dataset: its module's prepare_data(root) hook runs here, once, before any
     rank starts; then the factory is called to describe the two sets."""
-    from gpuflow.training.data import prepare_user_data, user_datasets
+    from gpuflow.training.userdata import prepare_user_data, user_datasets
 
     prepare_user_data(cfg)
     b = user_datasets(cfg)

@@ -100,24 +100,15 @@ class TrainConfig(BaseModel):
     num_classes: int | None = Field(
         None, ge=1, description="the model's output size, when the dataset does not say (set by the flow's preflight)")
 
-    @field_validator("model")
+    @field_validator("model", "objective")
     @classmethod
-    def _known_model(cls, v: str) -> str:
+    def _builtin_or_reference(cls, v: str, info) -> str:
         if refs.is_reference(v):
             return refs.normalize(v)
-        if v not in MODELS:
-            raise ValueError(f"unknown model {v!r}; choose one of {', '.join(MODELS)}, or name your own "
-                             "as package.module:Class or file.py:Class")
-        return v
-
-    @field_validator("objective")
-    @classmethod
-    def _known_objective(cls, v: str) -> str:
-        if refs.is_reference(v):
-            return refs.normalize(v)
-        if v != "classification":
-            raise ValueError(f"unknown objective {v!r}; use classification, or name your own as "
-                             "package.module:Name or file.py:Name")
+        builtins = MODELS if info.field_name == "model" else ("classification",)
+        if v not in builtins:
+            raise ValueError(f"unknown {info.field_name} {v!r}; choose one of {', '.join(builtins)}, or name your "
+                             "own as package.module:Name or file.py:Name")
         return v
 
     @field_validator("dataset")

@@ -180,6 +180,8 @@ def load_data(cfg: TrainConfig, fingerprint: bool = True) -> DataBundle:
     the source. fingerprint=False skips hashing the data (workers: the flow recorded it).
     """
     if refs.is_reference(cfg.dataset):
+        from .userdata import user_datasets
+
         return user_datasets(cfg)
     if cfg.dataset.startswith("imagefolder:"):
         return _load_imagefolder(cfg)
@@ -228,84 +230,6 @@ def _load_imagefolder(cfg: TrainConfig) -> DataBundle:
     fp = {"name": cfg.dataset, "num_samples": len(ds), "sha256": h_.hexdigest()}
     train_idx, val_idx = split_indices(len(ds), cfg.val_fraction, cfg.split_seed)
     return DataBundle(Subset(ds, train_idx), Subset(ds, val_idx), len(ds.classes), shape, fp)
-
-
-# --- the user's own datasets ----------------------------------------------------------
-
-
-def _call_with_root(fn, root: str, what: str):
-    """fn(root) when fn takes an argument (named root or positional), else fn()."""
-    import inspect
-
-    try:
-        takes_root = bool(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):
-        takes_root = True
-    try:
-        return fn(root) if takes_root else fn()
-    except DatasetError:
-        raise
-    except Exception as e:
-        raise DatasetError(f"{what} raised {refs.describe_error(e)}") from None
-
-
-def prepare_user_data(cfg: TrainConfig) -> bool:
-    """Run the dataset module's `prepare_data(root)` hook, if it has one: once, in the flow's
-    data step, before any rank starts (downloads, extraction, an index). Returns whether it ran."""
-    import sys
-
-    factory = refs.resolve(cfg.dataset, cfg.code_root, "dataset")
-    hook = getattr(sys.modules.get(getattr(factory, "__module__", "") or ""), "prepare_data", None)
-    if not callable(hook):
-        return False
-    _call_with_root(hook, cfg.data_root, f"dataset {cfg.dataset!r}: prepare_data({cfg.data_root!r})")
-    return True
-
-
-def _is_dataset(d) -> bool:
-    return hasattr(d, "__getitem__") and hasattr(d, "__len__")
-
-
-def user_datasets(cfg: TrainConfig) -> DataBundle:
-    """Call the user's dataset factory: (train, val), or {"train", "val"[, "num_classes"]}.
-
-    It runs in every rank, so it must only open what `prepare_data` made ready (never
-    download). num_classes: the factory's, else `len(train.classes)` (torchvision's
-    convention), else the model's output size that the flow's preflight found.
-    """
-    factory = refs.resolve(cfg.dataset, cfg.code_root, "dataset")
-    what = f"dataset {cfg.dataset!r}"
-    out = _call_with_root(factory, cfg.data_root, f"{what}: calling it with root={cfg.data_root!r}")
-    num_classes = None
-    if isinstance(out, dict) and {"train", "val"} <= set(out):
-        train, val, num_classes = out["train"], out["val"], out.get("num_classes")
-    elif isinstance(out, (tuple, list)) and len(out) == 2:
-        train, val = out
-    else:
-        got = f"a dict with keys {sorted(out)}" if isinstance(out, dict) else (
-            f"a {type(out).__name__} of {len(out)}" if isinstance(out, (tuple, list)) else f"a {type(out).__name__}")
-        raise DatasetError(f"{what} returned {got}; return (train, val), two map-style datasets, "
-                           "or {'train': ..., 'val': ..., 'num_classes': N}")
-    for part, d in (("train", train), ("val", val)):
-        if not _is_dataset(d):
-            raise DatasetError(f"{what}: its {part} set is a {type(d).__name__}, not a map-style dataset "
-                               "(__getitem__ and __len__); return torch.utils.data.Dataset objects")
-        if len(d) == 0:
-            raise DatasetError(f"{what}: its {part} set is empty; check the data under {cfg.data_root!r} "
-                               "(did prepare_data run?)")
-    if num_classes is None and getattr(train, "classes", None) is not None:
-        num_classes = len(train.classes)
-    num_classes = int(num_classes) if num_classes is not None else cfg.num_classes
-    from .objective import first_tensor, split_batch
-
-    try:
-        x = first_tensor(split_batch(train[0])[0])
-    except Exception as e:
-        raise DatasetError(f"{what}: reading its first training sample raised {refs.describe_error(e)}") from None
-    shape = tuple(x.shape) if x is not None else None
-    digest = hashlib.sha256(f"{cfg.dataset}:{len(train)}:{len(val)}".encode()).hexdigest()
-    fp = {"name": cfg.dataset, "num_samples": len(train) + len(val), "sha256": digest}
-    return DataBundle(train, val, num_classes, shape, fp)
 
 
 def _decode_error(path: str) -> str | None:

@@ -26,7 +26,7 @@ from .builder import build_model
 from .data import TensorData, load_data
 from .errors import UserError
 from .files import write_json_atomic
-from .objective import apply, batch_len, call_model, load_objective, split_batch
+from .objective import Totals, apply, batch_len, call_model, concat, load_objective, split_batch
 
 
 def _device(device: str) -> torch.device:
@@ -64,27 +64,16 @@ def evaluate(checkpoint: str, split: str = "val", device: str = "auto", batch_si
     objective = load_objective(cfg.objective, cfg.code_root)
     data = bundle.val if split == "val" else _concat(bundle.train, bundle.val)
     loader = torch.utils.data.DataLoader(data, batch_size=batch_size, pin_memory=use_cuda)
-    sums: dict[str, float] = {}
-    counts: dict[str, int] = {}
-    outputs, targets = [], []
+    totals = Totals(objective)
     with torch.no_grad():
         for batch in loader:
             inputs, target = split_batch(apply(batch, lambda t: t.to(dev)))
-            out = call_model(model, inputs)
-            n = batch_len(target if target is not None else inputs)
-            for name, (total, count) in {"loss": (objective.loss(out, target) * n, n),
-                                         **objective.batch_metrics(out, target)}.items():
-                sums[name] = sums.get(name, 0.0) + float(total)
-                counts[name] = counts.get(name, 0) + int(count)
-            if objective.epoch_metrics:
-                outputs.append(apply(out, lambda t: t.float().cpu()))
-                targets.append(apply(target, lambda t: t.cpu()))
-    metrics = {k: sums[k] / counts[k] for k in sums}
+            totals.add(call_model(model, inputs), target, batch_len(target if target is not None else inputs))
+    metrics = totals.means()
     if objective.epoch_metrics:
-        join = (lambda parts: {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
-                if isinstance(parts[0], dict) else torch.cat(parts))
-        metrics.update({k: float(v) for k, v in objective.epoch_metrics(join(outputs), join(targets)).items()})
-    return {**metrics, "samples": counts["loss"], "split": split, "model": cfg.model, "dataset": cfg.dataset,
+        found = objective.epoch_metrics(concat(totals.outputs), concat(totals.targets))
+        metrics.update({k: float(v) for k, v in found.items()})
+    return {**metrics, "samples": totals.counts["loss"], "split": split, "model": cfg.model, "dataset": cfg.dataset,
             "objective": cfg.objective, "monitor": objective.monitor, "mode": objective.mode, **_where(dev)}
 
 

@@ -87,6 +87,13 @@ def shapes(obj) -> str:
     return type(obj).__name__
 
 
+def concat(parts: list):
+    """Batches of outputs or targets (tensors, or dicts of tensors) joined along the batch."""
+    if parts and isinstance(parts[0], dict):
+        return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+    return torch.cat(parts) if parts and isinstance(parts[0], torch.Tensor) else parts
+
+
 # --- objectives ------------------------------------------------------------------------
 
 
@@ -139,3 +146,30 @@ def load_objective(name: str, code_root: str | None = None) -> Objective:
         raise CodeReferenceError(f"objective {name!r} is a {type(target).__name__}: name a loss function, an "
                                  "nn.Module loss class, or a class with loss(output, target)")
     return Objective(target)
+
+
+class Totals:
+    """One pass's loss and metric sums with their counts (tensors on the batches' device: no
+    sync per batch), and, when the objective has epoch_metrics, every output and target on
+    the CPU. Training's validation and gpuflow evaluate both count this way."""
+
+    def __init__(self, objective: Objective):
+        self.objective = objective
+        self.sums: dict[str, torch.Tensor] = {}
+        self.counts: dict[str, int] = {}
+        self.outputs: list = []
+        self.targets: list = []
+
+    def add(self, output, target, n: int) -> None:
+        parts = {"loss": (self.objective.loss(output, target) * n, n), **self.objective.batch_metrics(output, target)}
+        for name, (total, count) in parts.items():
+            total = torch.as_tensor(total).detach().double()
+            self.sums[name] = self.sums[name] + total if name in self.sums else total
+            self.counts[name] = self.counts.get(name, 0) + int(count)
+        if self.objective.epoch_metrics:
+            self.outputs.append(apply(output, lambda t: t.float().cpu()))
+            self.targets.append(apply(target, lambda t: t.cpu()))
+
+    def means(self) -> dict[str, float]:
+        """Each sum over its count, on this process's samples alone."""
+        return {k: self.sums[k].item() / self.counts[k] for k in self.sums}

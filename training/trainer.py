@@ -23,7 +23,7 @@ from .distributed import DistContext, LaunchError, all_reduce_sum
 from .builder import make_model
 from .errors import TrainingDiverged
 from .metrics import MetricsFile
-from .objective import apply, batch_len, call_model, load_objective, split_batch
+from .objective import Totals, apply, batch_len, call_model, concat, load_objective, split_batch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -205,7 +205,7 @@ class Trainer:
         sampler's padding left out), for the epoch's exact mean."""
         self.optimizer.zero_grad(set_to_none=True)
         with self._autocast():
-            out = self.model(inputs) if isinstance(inputs, torch.Tensor) else call_model(self.model, inputs)
+            out = call_model(self.model, inputs)
             loss = self.objective.loss(out, target)
         self.scaler.scale(loss).backward()
         if self.cfg.grad_clip:
@@ -262,29 +262,17 @@ class Trainer:
         metrics get every rank's outputs gathered to rank 0."""
         model = unwrap(self.model) if self.ctx.distributed else self.model
         model.eval()
-        sums: dict[str, torch.Tensor] = {}
-        counts: dict[str, int] = {}
-        outputs, targets = [], []
+        totals = Totals(self.objective)
         for batch in self.val_loader:
             inputs, target = split_batch(self._to_device(batch))
-            n = batch_len(target if target is not None else inputs)
             with self._autocast():
-                out = model(inputs) if isinstance(inputs, torch.Tensor) else call_model(model, inputs)
-                parts = {"loss": (self.objective.loss(out, target) * n, n),
-                         **self.objective.batch_metrics(out, target)}
-            for name, (total, count) in parts.items():
-                total = torch.as_tensor(total, device=self.device).detach().double()
-                sums[name] = sums[name] + total if name in sums else total
-                counts[name] = counts.get(name, 0) + int(count)
-            if self.objective.epoch_metrics:
-                outputs.append(apply(out, lambda t: t.float().cpu()))
-                targets.append(apply(target, lambda t: t.cpu()))
-        names = list(sums)
-        reduced = all_reduce_sum([sums[k].item() for k in names] + [counts[k] for k in names], self.ctx)
+                totals.add(call_model(model, inputs), target, batch_len(target if target is not None else inputs))
+        names = list(totals.sums)
+        reduced = all_reduce_sum([totals.sums[k].item() for k in names] + [totals.counts[k] for k in names], self.ctx)
         result = {f"val_{k}": reduced[i] / reduced[len(names) + i] for i, k in enumerate(names)}
         self._check_finite("val_loss", result["val_loss"], self.epochs_run + 1)
         if self.objective.epoch_metrics:
-            result.update(self._whole_set_metrics(outputs, targets))
+            result.update(self._whole_set_metrics(totals.outputs, totals.targets))
         return result
 
     def _whole_set_metrics(self, outputs: list, targets: list) -> dict:
@@ -292,16 +280,13 @@ class Trainer:
         rank r holds samples r, r + world, ... (the validation shard), gathered to rank 0."""
         from .distributed import broadcast_from_main, gather_to_main
 
-        cat = (lambda parts: torch.cat(parts) if parts and isinstance(parts[0], torch.Tensor) else
-               {k: torch.cat([p[k] for p in parts]) for k in parts[0]} if parts and isinstance(parts[0], dict)
-               else parts)
-        gathered = gather_to_main((cat(outputs), cat(targets)), self.ctx)
+        gathered = gather_to_main((concat(outputs), concat(targets)), self.ctx)
         metrics = {}
         if self.ctx.is_main:
             world = len(gathered)
             n = sum(batch_len(o) for o, _ in gathered)
             order = torch.tensor([i for r in range(world) for i in range(r, n, world)]).argsort()
-            merged = [apply(cat([g[j] for g in gathered]), lambda t: t[order]) for j in (0, 1)]
+            merged = [apply(concat([g[j] for g in gathered]), lambda t: t[order]) for j in (0, 1)]
             metrics = {f"val_{k}": float(v) for k, v in self.objective.epoch_metrics(*merged).items()}
         return broadcast_from_main(metrics, self.ctx)
 
