@@ -1,6 +1,6 @@
 """`make bench`: run the CPU benchmarks and write bench/RESULTS.md (tables + commands).
 
-    python -m bench.run_all            the quick set (sections 1-4 and 6)
+    python -m bench.run_all            the quick set (sections 1, 1b, 2-4 and 6)
     python -m bench.run_all --full     adds 2b, the long job for the pipeline / bare ratio goal
     python -m bench.run_all --from-saved   rewrites RESULTS.md from the last run's figures
 """
@@ -11,7 +11,7 @@ import argparse
 import datetime
 import json
 
-from bench import dataload, overhead, stop, throughput, tracking
+from bench import dataload, overhead, stop, throughput, tracking, usermodel
 from bench.common import ROOT, machine
 
 NOTES = (ROOT / "bench" / "NOTES.md")
@@ -27,6 +27,8 @@ LONG_JOB = ["--repeats", "2", "--dataset", "synthetic", "--size", "250000", "--m
 SECTIONS = [  # (key, title, module, its arguments, in --full only)
     ("throughput", "1. Training-loop throughput (ours vs bare script vs Lightning)",
      throughput, ["--repeats", "3"], False),
+    ("usermodel", "1b. A user's own model and dataset (ours vs a bare script on the same model)",
+     usermodel, ["--repeats", "3"], False),
     ("overhead", "2. Orchestration overhead, default job (whole pipeline vs bare script)",
      overhead, ["--repeats", "3"], False),
     ("overhead_long", "2b. Orchestration overhead on a long job (bare run >= 1 minute)",
@@ -81,6 +83,9 @@ def goals(r: dict) -> str:
                 met = "yes" if q["median"] >= goal else ("within noise" if q["max"] >= goal else "no")
                 rows.append(f"| ours / {other} >= {goal}, world {world} | {q['median']:.2f} "
                             f"({q['min']:.2f}-{q['max']:.2f}) | {met} |")
+    if "usermodel" in r:
+        for goal, measured, met in usermodel.goals(r["usermodel"]):
+            rows.append(f"| {goal} | {measured} | {met} |")
     for goal, measured, met in overhead.goals(r["overhead"]):
         rows.append(f"| {goal} | {measured} | {met} |")
     if "overhead_long" in r:
