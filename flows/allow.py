@@ -20,7 +20,7 @@ from gpuflow.training.refs import is_file_reference, is_reference, split, top_pa
 from .settings import Settings
 
 REFERENCES = ("model", "dataset", "objective")
-PATHS = ("data_root", "runs_dir", "resume", "checkpoint", "inputs", "output")
+PATHS = ("data_root", "runs_dir", "resume", "checkpoint", "inputs", "output", "script")
 
 
 class NotAllowed(UserError):
@@ -51,6 +51,8 @@ def check_allowed(params, settings: Settings | None = None) -> None:
         value = getattr(params, name, None)
         if value and value not in ("auto", "never"):
             _inside(name, value, Path(value), folders, shown)
+    for pattern in getattr(params, "collect", None) or []:  # read from the run's working folder
+        _inside("collect", pattern, Path(pattern), folders, shown)
 
 
 def _inside(name: str, value: str, path: Path, folders: list[Path], shown: str) -> None:

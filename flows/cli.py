@@ -1,7 +1,8 @@
 """`gpuflow`: run the training pipeline, evaluate or apply a registered model, probe the host.
 
     gpuflow run [--epochs 3 --gpus 3,2 --strategy dp ...]   the train pipeline flow
-    gpuflow evaluate [--version champion --gpus 3,]         loss and accuracy on a split
+    gpuflow run --script train.py [--gpus 2] -- --lr 0.01   your own torchrun script (train-script flow)
+    gpuflow evaluate [--version champion --gpus 3,]         loss and metrics on a split
     gpuflow infer --inputs x.pt [--version 2 --gpus cpu]    predictions for a tensor file
     gpuflow probe [--json]                                  GPUs, versions, backends
     gpuflow server | serve | ui                             Prefect server, deployments, MLflow UI
@@ -28,7 +29,7 @@ from gpuflow.training.lifetime import exit_on_sigterm
 
 from .api import prefect_api
 
-from .params import EvaluateParams, InferParams, PipelineParams, origin_is, user_fields
+from .params import EvaluateParams, InferParams, PipelineParams, ScriptParams, origin_is, user_fields
 from .settings import Settings, server_command, ui_command
 
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
@@ -88,15 +89,31 @@ def rest_field(model: type[BaseModel]) -> str | None:
                  if isinstance(f.json_schema_extra, dict) and f.json_schema_extra.get("cli") == REST), None)
 
 
-def parser() -> argparse.ArgumentParser:
+SCRIPT_EPILOG = """\
+Your own torchrun script instead of gpuflow's training loop (the train-script flow):
+
+    gpuflow run --script train_ddp.py --gpus 2 -- --lr 0.01 --epochs 5
+
+Everything after -- goes to the script. `gpuflow run --script X.py --help` lists the options
+that apply then (devices, restarts, tracking, --collect); the README's "Your own torchrun
+script" says what the script gets (MLFLOW_RUN_ID, GPUFLOW_OUTPUT_DIR) and the helper.
+"""
+
+
+def parser(script: bool = False) -> argparse.ArgumentParser:
+    """The CLI; with `script`, `run` takes the train-script flow's options (ScriptParams)."""
     top = argparse.ArgumentParser(prog="gpuflow", description=__doc__,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = top.add_subparsers(dest="command", required=True)
     kw = dict(argument_default=argparse.SUPPRESS)
-    add_model(sub.add_parser("run", help="run the train pipeline flow (ephemeral Prefect API unless "
-                             "PREFECT_API_URL is set; MLflow in ./mlflow.db unless MLFLOW_TRACKING_URI)",
-                             **kw), PipelineParams)
-    add_model(sub.add_parser("evaluate", help="loss and accuracy of a registered version on one device "
+    run_help = ("run the train pipeline flow, or your own script with --script (ephemeral Prefect API unless "
+                "PREFECT_API_URL is set; MLflow in ./mlflow.db unless MLFLOW_TRACKING_URI)")
+    run = sub.add_parser("run", help=run_help, epilog=None if script else SCRIPT_EPILOG,
+                         formatter_class=argparse.RawDescriptionHelpFormatter, **kw)
+    if not script:
+        run.add_argument("--script", metavar="SCRIPT.py", help="run your own torchrun script instead (see below)")
+    add_model(run, ScriptParams if script else PipelineParams)
+    add_model(sub.add_parser("evaluate", help="loss and metrics (accuracy, or your objective's) of a registered version on one device "
                              "(the evaluate-model flow)", **kw), EvaluateParams)
     add_model(sub.add_parser("infer", help="predictions of a registered version for a tensor file, "
                              "on one device", **kw), InferParams)
@@ -136,7 +153,8 @@ def parse(argv: list[str], p: argparse.ArgumentParser | None = None) -> tuple[st
     if "--" in argv:
         i = argv.index("--")
         argv, rest = argv[:i], argv[i + 1:]
-    p = p or parser()
+    script = any(a == "--script" or a.startswith("--script=") for a in argv)
+    p = p or parser(script)
     ns = vars(p.parse_args(argv))
     command, model = ns.pop("command"), ns.pop("_model", None)
     if rest is not None:
@@ -211,7 +229,13 @@ def run(values: dict) -> dict:
 
     out = train_pipeline(**values)
     return {k: out.get(k) for k in ("run_id", "status", "model_version", "epochs_run", "world_size",
-                                    "final_metrics", "timings")}
+                                    "final_metrics", "checkpoint", "restarts", "resumed_from", "timings")}
+
+
+def run_script(values: dict) -> dict:
+    from .script import train_script
+
+    return train_script(**values)
 
 
 def evaluate(values: dict) -> dict:
@@ -246,7 +270,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             report_user_errors_once()
             with prefect_api():
-                out = {"run": run, "evaluate": evaluate}[command](values)
+                if model is ScriptParams:
+                    out = run_script(values)
+                else:
+                    out = {"run": run, "evaluate": evaluate}[command](values)
     except (UserError, ValidationError) as e:
         print(f"gpuflow {command}: {one_line(e)}", file=sys.stderr)
         return 2

@@ -1,4 +1,4 @@
-"""A registered model on one chosen device: its loss and accuracy on a split (`gpuflow evaluate`,
+"""A registered model on one chosen device: its loss and metrics on a split (`gpuflow evaluate`,
 the evaluate-model flow), or its predictions for a tensor file (`gpuflow infer`).
 
 Both run the model in a child process that sees only the assigned device and report through
@@ -28,7 +28,7 @@ from .params import EvaluateParams, InferParams, flat_parameters
       validate_parameters=False)
 @flat_parameters(EvaluateParams)
 def evaluate_model(params: EvaluateParams) -> dict:
-    """Load a model version (or a checkpoint) onto one assigned device and report its accuracy."""
+    """Load a model version (or a checkpoint) onto one assigned device and report its loss and metrics."""
     check_allowed(params)
     plan = one_device_plan(probe_environment(), params.gpus)
     with card_locks(plan) as locks, tempfile.TemporaryDirectory() as d:  # the card is ours, as training's is
@@ -38,8 +38,16 @@ def evaluate_model(params: EvaluateParams) -> dict:
     what = f"`{params.checkpoint}`" if params.checkpoint else f"{params.registered_model} v{version}"
     create_markdown_artifact(key="evaluation", markdown=(
         f"# Evaluation\n\n{what} on {result['dataset']} ({result['split']}, {result['samples']} samples), "
-        f"device {plan.describe()}: **accuracy {result['accuracy']:.4f}**, loss {result['loss']:.4f}\n"))
+        f"device {plan.describe()}: {scores(result)}\n"))
     return result
+
+
+def scores(result: dict) -> str:
+    """The monitored metric in bold (accuracy for classification, the objective's own otherwise), then the rest."""
+    monitor = result.get("monitor", "accuracy")
+    rest = [k for k in ("loss", *sorted(result)) if k != monitor and isinstance(result.get(k), float)]
+    shown = [f"**{monitor} {result[monitor]:.4f}**"] if monitor in result else []
+    return ", ".join(shown + [f"{k} {result[k]:.4f}" for k in dict.fromkeys(rest)])
 
 
 def model_checkpoint(params: EvaluateParams | InferParams, folder: Path) -> tuple[Path, str | None]:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Annotated, Any, Callable, Literal
 
 import annotated_types
-from pydantic import AfterValidator, BaseModel, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model, model_validator
 
 from gpuflow.tasks.assign import GPUS_HELP, DevicePlan, parse_gpus
 from gpuflow.training import TrainConfig
@@ -166,6 +166,58 @@ class PipelineParams(TrainConfig):
                 "world_size": self.world_size(plan), **config.to_dict()}
 
 
+def check_script(v: str) -> str:
+    path = Path(v).expanduser().resolve()
+    if not path.is_file():
+        raise ValueError(f"no such file ({path}); give the path of your training script, e.g. train_ddp.py")
+    if path.suffix != ".py":
+        raise ValueError(f"{path.name} is not a Python file; torchrun runs a .py script")
+    return str(path)
+
+
+# The train pipeline's device, launch and tracking fields, shared as they are declared there.
+SCRIPT_SHARED = ("gpus", "backend", "min_free_mb", "skip_busy", "cpu_processes", "max_restarts", "experiment",
+                 "run_name", "registered_model", "tracking_uri", "runs_dir")
+_ScriptBase = create_model("_ScriptBase", __config__=ConfigDict(extra="forbid"),
+                           **{k: (PipelineParams.model_fields[k].annotation, PipelineParams.model_fields[k])
+                              for k in SCRIPT_SHARED})
+
+
+class ScriptParams(_ScriptBase):
+    """The train-script flow: your own torchrun script on the assigned devices, in one MLflow run."""
+
+    script: Annotated[str, AfterValidator(check_script)] = Field(
+        description="your training script (.py), run by torchrun from the folder gpuflow runs in")
+    script_args: list[str] = Field([], description="the script's own arguments (on the command line: "
+                                   "everything after --)", json_schema_extra={"cli": "rest"})
+    collect: list[str] = Field([], description="glob patterns, relative to the working folder, of files the "
+                               "script writes outside GPUFLOW_OUTPUT_DIR to log as artifacts (e.g. "
+                               "[\"snapshot.pt\"]); the newest state dict among them is the run's checkpoint")
+    strategy: Literal["auto", "single", "ddp"] = Field(
+        "auto", description="auto: one process per device; the script wraps its model itself (DDP or none)")
+
+    # one node; the launch reads these (tasks/launch.py LaunchRequest)
+    nnodes: typing.ClassVar[int] = 1
+    node_rank: typing.ClassVar[int] = 0
+    rdzv_endpoint: typing.ClassVar[str | None] = None
+    rdzv_timeout_s: typing.ClassVar[int] = 300
+
+    @model_validator(mode="after")
+    def _fits_this_host(self) -> "ScriptParams":
+        cores = os.cpu_count() or 1
+        if self.cpu_processes > cores:
+            raise ValueError(f"cpu_processes={self.cpu_processes} is more than the {cores} CPUs of this host; "
+                             f"use at most {cores} (0 = auto)")
+        return self
+
+    def run_params(self, plan: DevicePlan) -> dict:
+        """gpuflow's own params for the run, under `gpuflow.` so they never collide with the script's."""
+        mine = self.model_dump(mode="json", exclude=set(RECORD_KEEPING))
+        mine |= {"backend": plan.backend, "nproc_per_node": plan.nproc_per_node, "world_size": plan.nproc_per_node,
+                 "device": plan.device}
+        return {f"gpuflow.{k}": v for k, v in mine.items()}
+
+
 class RetrainParams(PipelineParams):
     """The retrain flow: a challenger trained by the pipeline, then compared with the champion."""
 
@@ -179,7 +231,7 @@ class RetrainParams(PipelineParams):
 
 
 class EvaluateParams(BaseModel):
-    """Loss and accuracy of a registered version (or a checkpoint file) on one device."""
+    """Loss and metrics of a registered version (or a checkpoint file) on one device."""
 
     registered_model: RegisteredModel = "gpuflow-model"
     version: Version = "champion"
@@ -229,7 +281,8 @@ def flat_parameters(model: type[BaseModel]) -> Callable[[Callable[[Any], Any]], 
             return fn(model(**values))
 
         flat.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
-            [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
+            [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY,
+                               default=inspect.Parameter.empty if f.is_required() else f.default,
                                annotation=_schema_type(f)) for name, f in fields.items()],
             return_annotation=inspect.signature(fn).return_annotation)
         args = "\n".join(f"    {name}: {(f.description or name).strip()}" for name, f in fields.items())

@@ -151,7 +151,7 @@ def _check_explicit(i: int, by_id: dict, visible: list[int], report: Environment
     return g
 
 
-def assign_devices_for(report: EnvironmentReport, req: DeviceRequest, batch_size: int,
+def assign_devices_for(report: EnvironmentReport, req: DeviceRequest, batch_size: int | None,
                        precision: str = "fp32", locked: set[int] = frozenset()) -> DevicePlan:
     """Pure assignment: validate everything that can be checked before launch."""
     no_gpu = not report.visible_physical_ids()
@@ -186,13 +186,13 @@ def _gpu_plan(report: EnvironmentReport, req: DeviceRequest, cards: list[GpuInfo
     )
 
 
-def _check_batch_and_precision(plan: DevicePlan, report: EnvironmentReport, batch: int,
+def _check_batch_and_precision(plan: DevicePlan, report: EnvironmentReport, batch: int | None,
                                precision: str) -> None:
     n = len(plan.physical_ids) if plan.device == "cuda" else plan.nproc_per_node
-    if plan.strategy in ("dp", "ddp") and batch < n:
+    if batch is not None and plan.strategy in ("dp", "ddp") and batch < n:  # None: a script's own batch
         raise AssignmentError(f"global batch_size {batch} is smaller than the {n} devices of this "
                               f"{plan.strategy} plan; use batch_size >= {n} or fewer devices")
-    if plan.strategy == "ddp" and batch % plan.nproc_per_node:
+    if batch is not None and plan.strategy == "ddp" and batch % plan.nproc_per_node:
         raise AssignmentError(f"global batch_size {batch} does not split evenly over "
                               f"{plan.nproc_per_node} processes; use a multiple of {plan.nproc_per_node}")
     if precision == "fp16" and plan.device == "cpu":
@@ -223,7 +223,7 @@ def one_device_plan(report: EnvironmentReport, gpus: str) -> DevicePlan:
 
 
 @task(name="assign-devices")
-def assign_devices(report: EnvironmentReport, request: DeviceRequest, batch_size: int,
+def assign_devices(report: EnvironmentReport, request: DeviceRequest, batch_size: int | None,
                    precision: str = "fp32") -> DevicePlan:
     """Turn a device request into a validated DevicePlan (cards locked by others are avoided)."""
     return assign_devices_for(report, request, batch_size, precision,

@@ -68,6 +68,11 @@ def build_command(plan: DevicePlan, opts: LaunchRequest, config: Path, result: P
     worker = ["-m", "gpuflow.training", "--config", str(config), "--result", str(result)]
     if plan.strategy != "ddp":
         return [sys.executable, *worker]
+    return [*torchrun(plan, opts), *worker]
+
+
+def torchrun(plan: DevicePlan, opts: LaunchRequest) -> list[str]:
+    """torchrun with the plan's processes per node, restarts and rendezvous."""
     # No --tee/--log-dir: their log-tailing threads kept a signalled torchrun from exiting.
     # The ranks' output reaches this process through torchrun's own stdout and stderr.
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={plan.nproc_per_node}",
@@ -83,7 +88,7 @@ def build_command(plan: DevicePlan, opts: LaunchRequest, config: Path, result: P
         cmd += [f"--nnodes={opts.nnodes}", f"--node-rank={opts.node_rank}",
                 f"--master-addr={host}", f"--master-port={port}",
                 f"--rdzv-conf=timeout={opts.rdzv_timeout_s}"]
-    return [*cmd, *worker]
+    return cmd
 
 
 def check_rendezvous(opts: LaunchRequest) -> None:
@@ -208,6 +213,59 @@ def launch_training(config: Path, plan: DevicePlan, opts: LaunchRequest, workdir
     from prefect.runtime import task_run
 
     return launch(config, plan, opts, workdir, get_run_logger(), metrics_file, hold_fds, task_run.run_count)
+
+
+class ScriptRequest(LaunchRequest, Protocol):
+    """What the script launch reads from ScriptParams (gpuflow.flows.params)."""
+
+    script: str
+    script_args: list[str]
+    tracking_uri: str | None
+
+
+def script_environment(plan: DevicePlan, workdir: Path, metrics_file: Path, tracking_uri: str) -> dict:
+    """The plan's environment plus the flow's MLflow run, for the script's own mlflow calls (an
+    absolute store URI: the script's folder is not the flow's business), and its output folder."""
+    import mlflow
+
+    from gpuflow.training.metrics import OUTPUT_DIR_ENV
+
+    env = child_environment(plan, metrics_file)
+    for inherited in ("MLFLOW_EXPERIMENT_NAME", "MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_ID"):
+        env.pop(inherited, None)
+    run = mlflow.active_run()
+    env |= {"MLFLOW_RUN_ID": run.info.run_id, "MLFLOW_EXPERIMENT_ID": run.info.experiment_id,
+            "MLFLOW_TRACKING_URI": absolute_uri(tracking_uri),
+            "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false",  # the flow runs the one monitor of the run
+            OUTPUT_DIR_ENV: str(workdir / "outputs")}
+    return env
+
+
+def absolute_uri(uri: str) -> str:
+    """sqlite:///relative.db as an absolute path: the same store from any working folder."""
+    prefix = "sqlite:///"
+    if uri.startswith(prefix) and not uri[len(prefix):].startswith("/") and uri[len(prefix):] != ":memory:":
+        return prefix + str(Path(uri[len(prefix):]).resolve())
+    return uri
+
+
+@task(name="launch-script", retries=0, cache_policy=NO_CACHE)
+def launch_script(opts: ScriptRequest, plan: DevicePlan, workdir: Path, metrics_file: Path,
+                  hold_fds: tuple[int, ...] = ()) -> None:
+    """Run the user's script under torchrun, always (one process per device), from the folder
+    gpuflow runs in; stream its output to the flow's log and logs/script.log."""
+    from prefect import get_run_logger
+
+    from gpuflow.tasks.store import default_tracking_uri
+
+    log = get_run_logger()
+    (workdir / "outputs").mkdir(parents=True, exist_ok=True)
+    cmd = [*torchrun(plan, opts), opts.script, *opts.script_args]
+    log.info("launching: %s", " ".join(cmd))
+    env = script_environment(plan, workdir, metrics_file, opts.tracking_uri or default_tracking_uri())
+    code, tail, _ = run_child(cmd, env, Path.cwd(), log, hold_fds, log_file=workdir / "logs" / "script.log")
+    if code != 0:
+        raise TrainingFailed(f"{Path(opts.script).name} exited with code {code}; last output:\n" + "\n".join(tail[-15:]))
 
 
 def check_resume(cfg, num_classes: int | None, input_shape: list[int] | None) -> None:

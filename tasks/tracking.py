@@ -148,7 +148,7 @@ class TrackedRun:
 
 
 @contextmanager
-def tracked_run(uri: str, experiment: str, run_name: str, tags: dict, dataset: dict,
+def tracked_run(uri: str, experiment: str, run_name: str, tags: dict, dataset: dict | None,
                 runs_dir: str | Path, system_metrics_interval: float = 2.0) -> Iterator[TrackedRun]:
     """One MLflow run around the block, ended FINISHED, FAILED or KILLED whatever happens.
 
@@ -163,7 +163,8 @@ def tracked_run(uri: str, experiment: str, run_name: str, tags: dict, dataset: d
     run = mlflow.start_run(experiment_id=exp_id, run_name=run_name, tags=all_tags, log_system_metrics=True)
     status, error = "FINISHED", None
     try:
-        log_dataset(dataset)
+        if dataset:  # a user's script reads its own data
+            log_dataset(dataset)
         workdir = Path(runs_dir).resolve() / run.info.run_id
         workdir.mkdir(parents=True, exist_ok=True)
         yield TrackedRun(client, run.info.run_id, exp_id, workdir)

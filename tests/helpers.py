@@ -4,12 +4,23 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
+EXAMPLE = ROOT / "examples" / "myproj"
+
+
+def user_project(dest: Path) -> Path:
+    """examples/myproj with its package renamed `training` (imports rewritten): a user project
+    with a `training/` package of its own, next to gpuflow's `gpuflow.training`."""
+    shutil.copytree(EXAMPLE / "myproj", dest / "training")
+    for f in (dest / "training").glob("*.py"):
+        f.write_text(f.read_text().replace("myproj.", "training."))
+    return dest
 
 
 def child_env(**extra: str) -> dict:

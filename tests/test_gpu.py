@@ -16,7 +16,7 @@ from gpuflow.flows.train import train_pipeline
 from gpuflow.flows.params import PipelineParams
 from gpuflow.tasks.assign import AssignmentError, assign_devices_for
 from gpuflow.tasks.probe import read_environment
-from tests.helpers import child_env, result, run_worker
+from tests.helpers import child_env, result, run_worker, user_project
 from gpuflow.training.checkpoint import load_file
 from gpuflow.training.models import SmallCNN
 
@@ -135,3 +135,40 @@ def test_a_cuda_run_resumes_with_every_rng_state_restored(tmp_path):
     straight = run_worker(tmp_path / "c", env=child_env(CUDA_VISIBLE_DEVICES="0"), device="cuda",
                           **{**SMALL, "epochs": 3, "deterministic": True})
     assert straight.returncode == 0
+
+
+# --- a user's own model on the GPU (issue 16): dp + fp16, and ddp + bf16 ----------------------
+
+
+def _loads_strict_on_cpu(proj, checkpoint: str, cls: str) -> None:
+    """The user's own class, in a fresh process run from the user's folder, takes the weights."""
+    code = (f"import torch\nfrom training.{cls} import *\nck = torch.load({checkpoint!r}, weights_only=True)\n"
+            f"spec = ck['model_spec']\nassert not any(k.startswith('module.') for k in ck['model'])\n"
+            f"globals()[spec['reference'].split(':')[1]](**spec['kwargs']).load_state_dict(ck['model'], strict=True)\n"
+            "print('loaded')")
+    out = subprocess.run([sys.executable, "-c", code], cwd=proj, capture_output=True, text=True, timeout=120,
+                         env=child_env(CUDA_VISIBLE_DEVICES=""))
+    assert "loaded" in out.stdout, out.stderr[-2000:]
+
+
+def test_a_user_model_with_its_own_objective_trains_under_dataparallel_with_fp16(tmp_path):
+    proj = user_project(tmp_path / "proj")
+    run_worker(tmp_path / "dp", strategy="dp", device="cuda", device_ids=[0], precision="fp16", epochs=5, lr=0.01,
+               seed=1, model="training.regression:Regressor", dataset="training.regression:datasets",
+               objective="training.regression:MSE", code_root=str(proj), data_root=str(proj / "data"))
+    res = result(tmp_path / "dp")
+    assert (res["strategy"], res["device"], res["objective"]) == ("dp", "cuda:0", "training.regression:MSE")
+    assert res["final_metrics"]["val_r2"] > 0.8, res["final_metrics"]  # dict samples, its own loss and metrics
+    _loads_strict_on_cpu(proj, res["checkpoint"], "regression")
+
+
+def test_a_user_model_on_its_own_dataset_trains_under_ddp_over_nccl_with_bf16(tmp_path):
+    proj = user_project(tmp_path / "proj")
+    subprocess.run([sys.executable, "-c", "from training.data import prepare_data; prepare_data('data')"],
+                   cwd=proj, check=True, timeout=120)  # the flow's data step does this
+    run_worker(tmp_path / "ddp", nproc=1, strategy="ddp", device="cuda", precision="bf16", epochs=3, seed=1,
+               model="training.nets:Net", model_args={"width": 32}, dataset="training.data:datasets",
+               code_root=str(proj), data_root=str(proj / "data"))
+    res = result(tmp_path / "ddp")
+    assert res["device"] == "cuda:0" and res["final_metrics"]["val_accuracy"] > 0.6, res["final_metrics"]
+    _loads_strict_on_cpu(proj, res["checkpoint"], "nets")

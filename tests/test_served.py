@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -19,6 +20,7 @@ import mlflow
 import psutil
 import pytest
 
+from tests.helpers import EXAMPLE
 from tests.servers import BIN, ServerProcess, prefect_server
 
 HANG_GUARD_S = 120
@@ -43,16 +45,19 @@ def _flow_runs(api: str, deployment: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """A Prefect server (scheduler on) and `python -m gpuflow.flows.serve` with the nightly
-    retrain's cron set to fire once, two minutes from now."""
+    retrain's cron set to fire once, two minutes from now, from a folder holding the user
+    package `myproj` (examples/myproj), which the operator allowed."""
     base = tmp_path_factory.mktemp("served")
     home = base / "prefect-home"
     home.mkdir()
     fire = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(minutes=2)
     server_env = dict(os.environ, PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS="5")
     server, api = prefect_server(home, server_env)
+    shutil.copytree(EXAMPLE / "myproj", base / "myproj")  # a user package in serve's folder
     env = dict(os.environ, PREFECT_API_URL=api, PREFECT_HOME=str(home), OMP_NUM_THREADS="1",
                MLFLOW_TRACKING_URI=f"sqlite:///{base / 'mlflow.db'}",
-               GPUFLOW_RETRAIN_CRON=f"{fire.minute} {fire.hour} * * *", GPUFLOW_TIMEZONE="UTC")
+               GPUFLOW_RETRAIN_CRON=f"{fire.minute} {fire.hour} * * *", GPUFLOW_TIMEZONE="UTC",
+               GPUFLOW_ALLOW_CODE="myproj")  # the operator's allowlist: `gpuflow serve --allow-code myproj`
     with server:
         serve_cmd = [sys.executable, "-m", "gpuflow.flows.serve"]
         with ServerProcess(serve_cmd, api + "/health", env, base / "serve.log", cwd=base) as serving:
@@ -88,12 +93,38 @@ def test_served_ddp_deployment_runs_from_the_cli_and_logs_to_mlflow(served):
     assert client.search_model_versions(f"run_id='{runs[0].info.run_id}'")
 
 
+def _flow_run_id(stdout: str) -> str:
+    return next(line.split()[-1] for line in stdout.splitlines() if "UUID" in line)
+
+
+def test_a_served_run_names_only_the_packages_and_folders_the_operator_allowed(served):
+    env, api = served["env"], served["api"]
+    user = ["-p", "model=myproj.nets:Net", "-p", "dataset=myproj.data:datasets", "-p", "epochs=1", "-p", "gpus=cpu",
+            "-p", "registered_model=blobs"]
+    ok = _prefect(["deployment", "run", "train-pipeline/ddp", *user, "-p", "experiment=allowed", "--watch"], env,
+                  timeout=400)
+    assert ok.returncode == 0, ok.stdout[-3000:] + (served["base"] / "serve.log").read_text()[-3000:]
+    client = _client(served)
+    (run,) = client.search_runs([client.get_experiment_by_name("allowed").experiment_id])
+    assert run.info.status == "FINISHED" and run.data.params["model"] == "myproj.nets:Net"
+    refused = {"model=myproj_evil.nets:Net": "package 'myproj_evil' is not allowed",
+               "objective=os:system": "package 'os' is not allowed",
+               "data_root=/etc": "data_root='/etc' is outside the folders"}
+    for bad, message in refused.items():
+        out = _prefect(["deployment", "run", "train-pipeline/ddp", *user, "-p", bad, "-p", "experiment=refused",
+                        "--watch"], env, timeout=300)
+        assert out.returncode != 0, out.stdout[-2000:]
+        state = _api(api, f"/flow_runs/{_flow_run_id(out.stdout)}")["state"]
+        assert state["type"] == "FAILED" and message in state["message"], (bad, state)
+    assert client.get_experiment_by_name("refused") is None  # refused before any MLflow run
+
+
 def test_cancelling_a_served_run_stops_its_ranks_and_ends_its_run_killed(served):
     env, api, db = served["env"], served["api"], served["db"]
     run = _prefect(["deployment", "run", "train-pipeline/ddp", "-p", "epochs=50", "-p", "gpus=cpu",
                     "-p", "dataset=synthetic", "-p", "synthetic_size=60000", "-p", "experiment=cancelled"], env)
     assert run.returncode == 0, run.stdout + run.stderr
-    flow_run_id = next(line.split()[-1] for line in run.stdout.splitlines() if "UUID" in line)
+    flow_run_id = _flow_run_id(run.stdout)
     deadline = time.monotonic() + 300
     while True:  # training has started: its first epoch is in MLflow
         try:

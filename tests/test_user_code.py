@@ -23,9 +23,8 @@ import torch
 from gpuflow.training import TrainConfig
 from gpuflow.training.errors import UserError
 from gpuflow.training.preflight import check_user_code
+from tests.helpers import user_project
 
-ROOT = Path(__file__).resolve().parents[1]
-EXAMPLE = ROOT / "examples" / "myproj"
 GPUFLOW = Path(sys.executable).parent / "gpuflow"
 
 BLOCK_GPUFLOW = textwrap.dedent("""
@@ -38,17 +37,9 @@ BLOCK_GPUFLOW = textwrap.dedent("""
 """)
 
 
-def user_project(dest: Path) -> Path:
-    """examples/myproj with its package renamed `training` (imports rewritten)."""
-    shutil.copytree(EXAMPLE / "myproj", dest / "training")
-    for f in (dest / "training").glob("*.py"):
-        f.write_text(f.read_text().replace("myproj.", "training."))
-    return dest
-
-
-def gpuflow(args: list[str], cwd: Path, api: str) -> subprocess.CompletedProcess:
+def gpuflow(args: list[str], cwd: Path, api: str, **extra_env: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_API"))}
-    env["PREFECT_API_URL"] = api
+    env |= {"PREFECT_API_URL": api, **extra_env}
     return subprocess.run([str(GPUFLOW), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
 
 
@@ -185,6 +176,24 @@ def api_url(prefect_api):
     return PREFECT_API_URL.value()
 
 
+JOBS = {"classifier": ["--model", "training.nets:Net", "--model-args", '{"width": 32}',
+                       "--dataset", "training.data:datasets", "--epochs", "2", "--strategy", "ddp"],
+        "regression": ["--model", "training.regression:Regressor", "--dataset", "training.regression:datasets",
+                       "--objective", "training.regression:MSE", "--epochs", "2", "--strategy", "ddp"]}
+REGISTERED = {"classifier": "blobs", "regression": "points"}
+
+
+def stored(store: Path) -> list[str]:
+    return ["--tracking-uri", f"sqlite:///{store / 'mlflow.db'}", "--runs-dir", str(store / "runs")]
+
+
+def run_json(args: list[str], cwd: Path, api: str, **extra_env: str) -> dict:
+    """`gpuflow <args>` from cwd; its JSON report."""
+    out = gpuflow(args, cwd, api, **extra_env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout[out.stdout.index("{"):])
+
+
 @pytest.fixture(scope="module")
 def trained(api_url, tmp_path_factory):
     """The classifier and the regression, each with 1 and 2 processes, from the user's folder."""
@@ -192,17 +201,10 @@ def trained(api_url, tmp_path_factory):
     proj = user_project(base / "proj")
     store = base / "store"  # outside the project: the project folder moves later
     runs = {}
-    jobs = {"classifier": ["--model", "training.nets:Net", "--model-args", '{"width": 32}',
-                           "--dataset", "training.data:datasets", "--registered-model", "blobs"],
-            "regression": ["--model", "training.regression:Regressor", "--dataset", "training.regression:datasets",
-                           "--objective", "training.regression:MSE", "--registered-model", "points"]}
-    for job, args in jobs.items():
+    for job, args in JOBS.items():
         for procs in (1, 2):
-            out = gpuflow(["run", *args, "--epochs", "2", "--cpu-processes", str(procs), "--strategy",
-                           "ddp", "--tracking-uri", f"sqlite:///{store / 'mlflow.db'}",
-                           "--runs-dir", str(store / "runs")], proj, api_url)
-            assert out.returncode == 0, out.stderr[-3000:]
-            runs[job, procs] = json.loads(out.stdout[out.stdout.index("{"):])
+            runs[job, procs] = run_json(["run", *args, "--registered-model", REGISTERED[job], "--cpu-processes",
+                                         str(procs), *stored(store)], proj, api_url)
     mlflow.set_tracking_uri(f"sqlite:///{store / 'mlflow.db'}")
     return base, proj, store, runs
 
@@ -241,9 +243,71 @@ def test_prepare_data_ran_once_in_the_flow_and_ranks_only_opened_it(trained):
     assert torch.load(proj / "data" / "myproj-blobs.pt", weights_only=True)["x"].shape == (900, 8)
 
 
+def test_gpuflow_evaluate_and_infer_run_user_models_from_the_users_folder(trained, api_url):
+    """The evaluation child imports the user's `training` package, not gpuflow's."""
+    base, proj, store, runs = trained
+    uri = ["--tracking-uri", f"sqlite:///{store / 'mlflow.db'}", "--gpus", "cpu"]
+    ev = run_json(["evaluate", "--registered-model", "points", "--version", "2", *uri], proj, api_url)
+    final = runs["regression", 2]["final_metrics"]
+    assert (ev["monitor"], ev["mode"], ev["samples"]) == ("mae", "min", 201)
+    for k in ("loss", "mae", "r2"):  # the same weights on the same split as training's last validation
+        assert ev[k] == pytest.approx(final[f"val_{k}"], rel=1e-4), k
+    data = torch.load(proj / "data" / "myproj-blobs.pt", weights_only=True)
+    torch.save({"inputs": data["x"][750:]}, base / "val-inputs.pt")
+    out = run_json(["infer", "--registered-model", "blobs", "--version", "2", "--inputs",
+                    str(base / "val-inputs.pt"), *uri], proj, api_url)
+    hits = (torch.tensor(out["predictions"]) == data["y"][750:]).float().mean().item()
+    assert hits == pytest.approx(runs["classifier", 2]["final_metrics"]["val_accuracy"], abs=1e-6)
+
+
+def test_a_user_model_killed_mid_epoch_resumes_and_ends_as_the_uninterrupted_run(trained, api_url):
+    base, proj, store, runs = trained
+    out = run_json(["run", *JOBS["classifier"], "--cpu-processes", "2", "--max-restarts", "1",
+                    "--registered-model", "blobs-restarted", *stored(base / "restarted")], proj, api_url,
+                   GPUFLOW_FAULT="rank=1,epoch=2,restart=0,step=2")
+    assert out["status"] == "FINISHED" and out["restarts"] == 1 and out["resumed_from"].endswith("epoch-0001.pt")
+    a = torch.load(out["checkpoint"], weights_only=True)["model"]
+    b = torch.load(runs["classifier", 2]["checkpoint"], weights_only=True)["model"]
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=1e-6), k
+
+
+def test_the_retrain_flow_compares_user_models_on_their_objectives_metric(trained, api_url):
+    base, proj, *_ = trained
+    store = base / "retrain"
+    code = f"""
+        import json
+        from gpuflow.flows.retrain import retrain
+        common = dict(model="training.regression:Regressor", dataset="training.regression:datasets",
+                      objective="training.regression:MSE", gpus="cpu", registered_model="pts",
+                      tracking_uri={f"sqlite:///{store / 'mlflow.db'}"!r}, runs_dir={str(store / "runs")!r})
+        first = retrain(**common, epochs=2)
+        second = retrain(**common, epochs=1, lr=1e-6)  # barely trained: a worse challenger
+        print(json.dumps([first, second]))
+    """
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_API"))}
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=proj, capture_output=True, text=True,
+                         timeout=600, env=env | {"PREFECT_API_URL": api_url})
+    assert out.returncode == 0, out.stderr[-3000:]
+    first, second = json.loads(out.stdout.strip().splitlines()[-1])
+    assert first["promoted"] and first["retrain.metric"] == "mae"  # the objective's monitor, auto
+    assert not second["promoted"] and second["retrain.decision"] == "kept champion"
+    assert float(second["retrain.challenger_score"]) > float(second["retrain.champion_score"])  # mae: lower wins
+    client = mlflow.MlflowClient(f"sqlite:///{store / 'mlflow.db'}")
+    assert client.get_model_version_by_alias("pts", "champion").version == "1"
+
+
 def test_registered_user_models_predict_in_a_fresh_process_without_gpuflow_after_the_project_moved(trained):
     base, proj, store, _ = trained
     shutil.move(proj, base / "moved")  # the code comes from the model itself now
+    try:
+        _predict_elsewhere(base, store)
+    finally:
+        shutil.move(base / "moved", proj)
+
+
+def _predict_elsewhere(base: Path, store: Path) -> None:
     elsewhere = base / "elsewhere"
     elsewhere.mkdir()
     out = fresh_python(f"""

@@ -4,11 +4,12 @@
     python -m gpuflow.training.evaluate --checkpoint CK --result OUT.json --inputs X.pt
 
 Loads only tensors (weights_only=True) and rebuilds the plain model from the config stored
-in the checkpoint. Without --inputs: loss and accuracy on the dataset's validation split
-(the same deterministic split training held out) or on all of it. With --inputs (a tensor
-file, N samples of the model's input shape): the predicted class and class probabilities
-of each. Run it in a child whose CUDA_VISIBLE_DEVICES holds the card to use: inside, that
-card is cuda:0.
+in the checkpoint. Without --inputs: loss and the objective's metrics (accuracy for
+classification) on the dataset's validation split (the same deterministic split training
+held out) or on all of it. With --inputs (a tensor file, N samples of the model's input
+shape): the predicted class and class probabilities of each, or the model's raw outputs
+for an objective of your own. Run it in a child whose CUDA_VISIBLE_DEVICES holds the card
+to use: inside, that card is cuda:0.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ import sys
 import time
 
 METRICS_FILE_ENV = "GPUFLOW_METRICS_FILE"
+OUTPUT_DIR_ENV = "GPUFLOW_OUTPUT_DIR"  # a user script's output folder (gpuflow/training/helper.py)
 
 
 def format_line(step: int, metrics: dict[str, float], timestamp_ms: int | None = None) -> str:

@@ -1,0 +1,125 @@
+"""The train-script flow: your own torchrun script, unchanged, on the assigned devices, in one
+MLflow run: probe -> assign -> (card locks, MLflow run) launch -> collect outputs -> register.
+
+    gpuflow run --script train_ddp.py --gpus 2 -- --lr 0.01 --epochs 5
+    prefect deployment run 'train-script/default' -p script=train_ddp.py -p script_args='["--lr","0.01"]'
+
+The script always runs under torchrun (one process per device; `LOCAL_RANK`, `RANK` and the
+env:// rendezvous exist as it expects), from the folder gpuflow runs in, with:
+  MLFLOW_RUN_ID, MLFLOW_TRACKING_URI (absolute), MLFLOW_EXPERIMENT_ID: its `mlflow.start_run()`
+      attaches to the flow's run; the flow sets the run's final status and name at the end;
+  GPUFLOW_OUTPUT_DIR: an absolute folder, the same across torchrun restarts; what the script
+      writes there is logged as artifacts, and the newest state dict is de-prefixed and logged
+      as the run's checkpoint;
+  GPUFLOW_METRICS_FILE: where gpuflow.training.helper.report() appends metrics for the flow.
+"""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+from prefect.runtime import deployment, flow_run
+
+from gpuflow.tasks import orphans, results, store, tracking
+from gpuflow.tasks.assign import DevicePlan, assign_devices
+from gpuflow.tasks.cards import card_locks, device_slot
+from gpuflow.tasks.launch import TrainingFailed, launch_script
+from gpuflow.tasks.probe import probe_environment
+
+from .allow import check_allowed
+from .params import ScriptParams, flat_parameters
+from .train import entry_point
+
+
+def script_run_name() -> str:
+    p = flow_run.get_parameters()
+    return p.get("run_name") or f"{Path(p.get('script', 'script')).stem}-gpus={p.get('gpus', 'auto')}"
+
+
+def name_run(params: ScriptParams, plan: DevicePlan) -> str:
+    """<script>-<strategy>-x<processes>-<flow run id's start>, unless the user named the run."""
+    if params.run_name:
+        return params.run_name
+    name = f"{Path(params.script).stem}-{plan.strategy}-x{plan.nproc_per_node}-{(flow_run.get_id() or uuid.uuid4().hex)[:6]}"
+    if flow_run.get_id():
+        from prefect.client.orchestration import get_client
+
+        with get_client(sync_client=True) as client:
+            client.update_flow_run(flow_run.get_id(), name=name)
+    return name
+
+
+@flow(name="train-script", flow_run_name=script_run_name, validate_parameters=False,
+      on_crashed=[orphans.end_flow_run_mlflow_runs], on_cancellation=[orphans.end_flow_run_mlflow_runs])
+@flat_parameters(ScriptParams)
+def train_script(params: ScriptParams) -> dict:
+    """Run your torchrun script on the best devices of this host and log one MLflow run."""
+    check_allowed(params)  # a served deployment's run names only what the operator allowed
+    with device_slot():
+        report = probe_environment()
+        plan = assign_devices(report, params, None)
+        with card_locks(plan) as locks:
+            name = name_run(params, plan)
+            with tracking.tracked_run(params.tracking_uri or store.default_tracking_uri(), params.experiment,
+                                      name, run_tags(params, plan), None, params.runs_dir) as run:
+                run.log_params(params.run_params(plan))
+                run.log_json(report.model_dump(mode="json"), "environment_report.json", "environment")
+                run.log_json(plan.model_dump(mode="json"), "device_plan.json", "environment")
+                try:
+                    with run.relaying_metrics():
+                        launch_script(params, plan, run.workdir, run.metrics_file, locks.fds)
+                except TrainingFailed:  # the failed script's files and logs are kept in the run too
+                    collect_outputs(run, params.collect)
+                    raise
+                finally:
+                    run.client.set_tag(run.run_id, "mlflow.runName", name)  # the script's start_run may rename it
+                outputs = collect_outputs(run, params.collect)
+                version = register(run, outputs, params)
+    get_run_logger().info("MLflow run %s finished; checkpoint %s; model version %s", run.run_id,
+                          outputs.get("checkpoint"), version)
+    return {"run_id": run.run_id, "status": "FINISHED", "model_version": version, "world_size": plan.nproc_per_node,
+            **outputs}
+
+
+def run_tags(params: ScriptParams, plan: DevicePlan) -> dict:
+    return {
+        store.FLOW_RUN_TAG: flow_run.get_id(), "prefect.flow_run_name": flow_run.get_name(),
+        "prefect.deployment": deployment.get_name(), "mlflow.source.git.commit": store.git_commit(),
+        "mlflow.source.name": entry_point(), "script": params.script,
+        "strategy": plan.strategy, "world_size": plan.nproc_per_node, "backend": plan.backend,
+        "device": plan.device, "physical_gpus": ",".join(map(str, plan.physical_ids)) or "none",
+        "primary_gpu": plan.primary if plan.primary is not None else "none",
+    }
+
+
+@task(name="collect-outputs", cache_policy=NO_CACHE)
+def collect_outputs(run: tracking.TrackedRun, patterns: list[str]) -> dict:
+    """Log the output folder, the `collect` files and the logs; de-prefix the newest state dict
+    and log it as the run's checkpoint (or log it unchanged and say why)."""
+    from gpuflow.tasks.scriptout import gather
+
+    return gather(run, patterns, Path.cwd())
+
+
+@task(name="register-model", cache_policy=NO_CACHE)
+def register(run: tracking.TrackedRun, outputs: dict, params: ScriptParams) -> str | None:
+    """Register the checkpoint as a model when the script declared its class (helper.declare_model)."""
+    spec = outputs.get("model_spec")
+    if not spec or not outputs.get("weights"):
+        get_run_logger().info("no model registered: %s", "the script declared no model (gpuflow.training.helper."
+                              "declare_model)" if not spec else "no state dict was found")
+        return None
+    description = f"{spec['reference']} trained by {Path(params.script).name} (run {run.run_id})"
+    return results.register_model(run, {"model_spec": spec, "weights": outputs["weights"]}, params.registered_model,
+                                  str(Path.cwd()), description)
+
+
+if __name__ == "__main__":  # `python -m gpuflow.flows.script ...` is `gpuflow run --script ...`
+    import sys
+
+    from .cli import main
+
+    sys.exit(main(["run", *sys.argv[1:]]))

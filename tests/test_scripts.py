@@ -1,0 +1,268 @@
+"""A user's own torchrun script under the train-script flow (gpuflow/flows/script.py).
+
+The scripts are written here as users write them (the DDP tutorials' way: init_process_group,
+DistributedSampler, torch.save of the DDP model's state_dict) and run by `gpuflow run
+--script` from their own folder, against the session's Prefect server, with 2 gloo processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import mlflow
+import psutil
+import pytest
+import torch
+
+from tests.test_user_code import fresh_python, gpuflow
+
+MYNET = """
+    import torch
+    from torch import nn
+
+    class SimpleNN(nn.Module):
+        def __init__(self, hidden=32):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(20, hidden), nn.Linear(hidden, 3)
+
+        def forward(self, x):
+            return self.fc2(torch.relu(self.fc1(x)))
+
+    def data():
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(512, 20, generator=g)
+        return torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long())
+"""
+
+# The seeds' script, unchanged: its own mlflow calls, a run name of its own, saves in its folder.
+SEED_STYLE = """
+    import argparse, mlflow, torch, torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import DataLoader, DistributedSampler
+    from mynet import SimpleNN, data
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--lr", type=float, default=0.05)
+    a = p.parse_args()
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    ds = data()
+    sampler = DistributedSampler(ds)
+    loader = DataLoader(ds, batch_size=32, sampler=sampler)
+    model = DDP(SimpleNN())
+    opt = torch.optim.SGD(model.parameters(), lr=a.lr)
+    if dist.get_rank() == 0:
+        mlflow.start_run(run_name="my-own-name")
+        mlflow.log_param("lr", a.lr)
+    for epoch in range(a.epochs):
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+        if dist.get_rank() == 0:
+            mlflow.log_metric("loss", loss.item(), step=epoch)
+    if dist.get_rank() == 0:
+        torch.save(model.state_dict(), "model.pt")
+        mlflow.end_run()
+    dist.destroy_process_group()
+"""
+
+# A snapshot dict of a compiled, DDP-wrapped model (keys `_orig_mod.module.`), in the output folder.
+SNAPSHOT = """
+    import os, torch, torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from mynet import SimpleNN, data
+
+    dist.init_process_group("gloo")
+    model = torch.compile(DDP(SimpleNN()), backend="eager")
+    x, y = data().tensors
+    loss = torch.nn.functional.cross_entropy(model(x[:8]), y[:8])
+    loss.backward()
+    if dist.get_rank() == 0:
+        torch.save({"MODEL_STATE": model.state_dict(), "EPOCHS_RUN": 1},
+                   os.path.join(os.environ["GPUFLOW_OUTPUT_DIR"], "snapshot.pt"))
+    dist.destroy_process_group()
+"""
+
+# The helper's way: declare, resume, report, save. KILL_AT="epoch,step" kills rank 1 there, once.
+HELPER = """
+    import os, signal, sys, torch, torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import DataLoader, DistributedSampler
+    from gpuflow.training import helper
+    from mynet import SimpleNN, data
+
+    epochs = int(sys.argv[1])
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    ds = data()
+    sampler = DistributedSampler(ds)
+    loader = DataLoader(ds, batch_size=32, sampler=sampler)
+    model = DDP(SimpleNN(hidden=16))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    helper.declare_model("mynet:SimpleNN", hidden=16)
+    start = helper.resume(model, opt)
+    kill = os.environ.get("KILL_AT")
+    for epoch in range(start, epochs):
+        sampler.set_epoch(epoch)
+        total = torch.zeros(2)
+        for step, (x, y) in enumerate(loader, 1):
+            if kill and [epoch + 1, step] == list(map(int, kill.split(","))) and dist.get_rank() == 1 \\
+                    and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+                os.kill(os.getpid(), signal.SIGKILL)
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            total += torch.tensor([loss.item() * len(y), len(y)])
+        dist.all_reduce(total)
+        helper.report({"train_loss": total[0] / total[1]}, step=epoch + 1)
+        helper.save_checkpoint(model, opt, epoch=epoch + 1)
+        dist.barrier()
+    dist.destroy_process_group()
+"""
+
+FAILING = """
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    raise ValueError("bad learning rate schedule: warmup longer than training")
+"""
+
+
+def project(folder: Path, **scripts: str) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "mynet.py").write_text(textwrap.dedent(MYNET))
+    for name, code in scripts.items():
+        (folder / f"{name}.py").write_text(textwrap.dedent(code))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def api_url(prefect_api):
+    from prefect.settings import PREFECT_API_URL
+
+    return PREFECT_API_URL.value()
+
+
+def run_script(folder: Path, script: str, api: str, *args: str, extra: tuple[str, ...] = (), **env) -> dict:
+    out = gpuflow(["run", "--script", f"{script}.py", "--cpu-processes", "2", "--tracking-uri",
+                   f"sqlite:///{folder / 'mlflow.db'}", *args, "--", *extra], folder, api, **env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return json.loads(out.stdout[out.stdout.index("{"):])
+
+
+def client(folder: Path) -> mlflow.MlflowClient:
+    return mlflow.MlflowClient(f"sqlite:///{folder / 'mlflow.db'}")
+
+
+def loads_strict(checkpoint: str, folder: Path, hidden: int = 32) -> None:
+    out = fresh_python(f"""
+        import torch
+        from mynet import SimpleNN
+        ck = torch.load({checkpoint!r}, weights_only=True)
+        SimpleNN(hidden={hidden}).load_state_dict(ck["model"], strict=True)
+        print("loaded")
+    """, cwd=folder)
+    assert "loaded" in out.stdout, out.stderr[-2000:]
+
+
+def test_a_seed_style_script_runs_unchanged_in_one_run_with_its_own_metrics_and_a_clean_checkpoint(tmp_path, api_url):
+    folder = project(tmp_path / "proj", train=SEED_STYLE)
+    out = run_script(folder, "train", api_url, "--collect", '["model.pt"]', extra=("--epochs", "3"))
+    c = client(folder)
+    (run,) = c.search_runs([c.get_experiment_by_name("gpuflow").experiment_id])
+    assert run.info.run_id == out["run_id"] and run.info.status == "FINISHED"
+    assert run.info.run_name != "my-own-name" and run.info.run_name.startswith("train-ddp-x2-")
+    assert run.data.params["lr"] == "0.05" and run.data.params["gpuflow.script_args"] == '["--epochs", "3"]'
+    assert [m.step for m in c.get_metric_history(run.info.run_id, "loss")] == [0, 1, 2]  # the script's own
+    assert out["checkpoint"] and "prefixes stripped" in run.data.tags["gpuflow.checkpoint"]
+    assert torch.load(folder / "model.pt", weights_only=True).keys() >= {"module.fc1.weight"}
+    loads_strict(out["checkpoint"], folder)
+    artifacts = {a.path for a in c.list_artifacts(run.info.run_id, "collected")}
+    assert artifacts == {"collected/model.pt"}
+    assert out["model_version"] is None  # nothing declared: nothing registered
+
+
+def test_a_nested_snapshot_of_a_compiled_ddp_model_is_found_and_de_prefixed(tmp_path, api_url):
+    folder = project(tmp_path / "proj", snap=SNAPSHOT)
+    out = run_script(folder, "snap", api_url, "--max-restarts", "0")
+    raw = torch.load(Path(c_outputs(folder, out)) / "snapshot.pt", weights_only=True)
+    assert next(iter(raw["MODEL_STATE"])).startswith("_orig_mod.module.")
+    tag = client(folder).get_run(out["run_id"]).data.tags["gpuflow.checkpoint"]
+    assert "state dict at ['MODEL_STATE']" in tag
+    loads_strict(out["checkpoint"], folder)
+
+
+def c_outputs(folder: Path, out: dict) -> Path:
+    return folder / "runs" / out["run_id"] / "outputs"
+
+
+def test_the_helper_reports_live_resumes_after_a_killed_rank_and_registers_the_model(tmp_path, api_url):
+    folder = project(tmp_path / "proj", train=HELPER)
+    killed = run_script(folder, "train", api_url, "--registered-model", "scripted", extra=("3",),
+                        KILL_AT="2,3")
+    straight = run_script(folder, "train", api_url, "--registered-model", "scripted", extra=("3",))
+    c = client(folder)
+    for out in (killed, straight):
+        assert [m.step for m in c.get_metric_history(out["run_id"], "train_loss")] == [1, 2, 3]
+    log = (folder / "runs" / killed["run_id"] / "logs" / "script.log").read_text()
+    assert "resumed from" in log and "epoch-0001.pt" in log, log[-3000:]
+    a = torch.load(killed["checkpoint"], weights_only=True)["model"]
+    b = torch.load(straight["checkpoint"], weights_only=True)["model"]
+    for k in b:
+        assert torch.allclose(a[k], b[k], atol=1e-6), k
+    assert killed["model_version"] == "1"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    out = fresh_python(f"""
+        import mlflow, numpy as np
+        mlflow.set_tracking_uri({f"sqlite:///{folder / 'mlflow.db'}"!r})
+        m = mlflow.pyfunc.load_model("models:/scripted/1")
+        print("shape", m.predict(np.zeros((4, 20), dtype=np.float32)).shape)
+    """, cwd=elsewhere)
+    assert "shape (4, 3)" in out.stdout, out.stderr[-3000:]
+
+
+def test_bad_scripts_are_refused_or_fail_with_their_own_error(tmp_path, api_url):
+    folder = project(tmp_path / "proj", boom=FAILING)
+    cases = {("--script", "missing.py"): "no such file", ("--script", "mynet.py", "--collect", '"x"'): "JSON list"}
+    for args, message in cases.items():
+        out = gpuflow(["run", *args], folder, api_url)
+        assert out.returncode == 2 and message in out.stderr, out.stderr[-2000:]
+    out = gpuflow(["run", "--script", "boom.py", "--cpu-processes", "2", "--max-restarts", "0"], folder, api_url)
+    assert out.returncode == 1 and "boom.py exited with code 1" in out.stderr, out.stderr[-3000:]
+    c = client(folder)
+    (run,) = c.search_runs([c.get_experiment_by_name("gpuflow").experiment_id])
+    assert run.info.status == "FAILED" and "warmup longer than training" in run.data.tags["error"]
+
+
+def test_sigterm_to_the_flow_ends_the_run_killed_and_stops_every_rank(tmp_path, api_url):
+    folder = project(tmp_path / "proj", slow="import time, torch.distributed as dist\n"
+                     "dist.init_process_group('gloo')\nprint('training', flush=True)\ntime.sleep(300)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_API"))}
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "gpuflow"), "run", "--script", "slow.py",
+                             "--cpu-processes", "2"], cwd=folder, env=env | {"PREFECT_API_URL": api_url},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:
+        if "training" in line and "launching" not in line:
+            break
+    ranks = [p for p in psutil.process_iter(["cmdline"]) if "slow.py" in " ".join(p.info["cmdline"] or [])]
+    assert len(ranks) == 3  # torchrun's agent and two ranks
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(60)
+    _, alive = psutil.wait_procs(ranks, timeout=30)
+    assert not alive
+    time.sleep(0.5)
+    c = client(folder)
+    (run,) = c.search_runs([c.get_experiment_by_name("gpuflow").experiment_id])
+    assert run.info.status == "KILLED" and "SIGTERM" in run.data.tags["error"]

@@ -1,0 +1,104 @@
+"""A few lines for your own torchrun script under `gpuflow run --script` (torch only, no Prefect).
+
+    from gpuflow.training import helper
+
+    helper.declare_model("mynet:Net", width=64)      # what the registry rebuilds, once
+    start = helper.resume(model, optimizer)          # epochs already done (0 on a fresh start)
+    for epoch in range(start, epochs):
+        ...
+        helper.report({"loss": loss}, step=epoch + 1)   # live in the flow's MLflow run
+        helper.save_checkpoint(model, optimizer, epoch=epoch + 1)
+
+Every call may be made on every rank: reports and checkpoints are global rank 0's only.
+Under the flow, files go to the run's output folder (GPUFLOW_OUTPUT_DIR, the same across
+torchrun restarts) and metrics to the file the flow relays to MLflow (GPUFLOW_METRICS_FILE).
+Run by hand under plain torchrun, the helper only writes files, under ./gpuflow-output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .checkpoint import NAME, _torch_save, clean_state_dict, load_file, to_cpu, unwrap
+from .files import atomic_write, write_json_atomic
+from .metrics import METRICS_FILE_ENV, OUTPUT_DIR_ENV, format_line
+
+MODEL_FILE = "model.json"  # the declared model: reference and keyword arguments
+
+
+def output_dir() -> Path:
+    """Where the script's files go: the run's output folder under the flow, else ./gpuflow-output."""
+    return Path(os.environ.get(OUTPUT_DIR_ENV) or "gpuflow-output").resolve()
+
+
+def is_main() -> bool:
+    """Global rank 0 (torchrun's RANK), or a script run without torchrun."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def report(metrics: dict[str, float], step: int) -> None:
+    """Log `metrics` (floats or 0-d tensors) at `step` to the flow's run, live; rank 0 only."""
+    if not is_main():
+        return
+    line = format_line(step, {k: float(v) for k, v in metrics.items()}) + "\n"
+    path = os.environ.get(METRICS_FILE_ENV) or str(output_dir() / "metrics.jsonl")
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as f:  # one whole line per write: the relay reads complete lines
+        f.write(line)
+
+
+def declare_model(reference: str, **kwargs) -> None:
+    """Name the model class (`package.module:Class` or `file.py:Class`) and the keyword arguments
+    that rebuild it, so the flow registers the trained weights as a model that loads anywhere."""
+    if not is_main():
+        return
+    if ":" not in reference:
+        raise ValueError(f"declare_model({reference!r}): use package.module:Class or file.py:Class")
+    write_json_atomic(output_dir() / MODEL_FILE, {"reference": reference, "kwargs": kwargs})
+
+
+def save_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, epoch: int,
+                    **extra) -> Path | None:
+    """Write checkpoints/epoch-<epoch>.pt atomically on rank 0: the unwrapped model's state dict
+    (no `module.`/`_orig_mod.` prefix, CPU tensors), the optimizer's, `epoch` (epochs done) and
+    `extra` tensors or plain values. Returns the path on rank 0, else None."""
+    if not is_main():
+        return None
+    payload = {"model": clean_state_dict(to_cpu(unwrap(model).state_dict())), "epoch": int(epoch), **extra}
+    if optimizer is not None:
+        payload["optimizer"] = to_cpu(optimizer.state_dict())
+    path = output_dir() / "checkpoints" / f"epoch-{int(epoch):04d}.pt"
+    return atomic_write(path, lambda tmp: _torch_save(payload, tmp))
+
+
+def latest_checkpoint() -> Path | None:
+    """The newest complete checkpoint written by `save_checkpoint` (temp files never match)."""
+    found = [(int(m.group(1)), p) for p in (output_dir() / "checkpoints").glob("epoch-*.pt")
+             if (m := NAME.match(p.name))]
+    return max(found)[1] if found else None
+
+
+def resume(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
+    """Load the newest checkpoint into `model` (and `optimizer`) on every rank; returns the
+    epochs it had done, so `range(resume(...), epochs)` continues after a torchrun restart
+    with the next epoch, never repeating the last one. 0 when there is none."""
+    path = latest_checkpoint()
+    if path is None:
+        return 0
+    payload = load_file(path)
+    unwrap(model).load_state_dict(payload["model"], strict=True)
+    if optimizer is not None and "optimizer" in payload:
+        optimizer.load_state_dict(payload["optimizer"])
+    print(f"[rank {os.environ.get('RANK', '0')}] resumed from {path} (epoch {payload['epoch']})", flush=True)
+    return int(payload["epoch"])
+
+
+def declared_model(folder: Path) -> dict | None:
+    """The model `declare_model` named in `folder` (for the flow), or None."""
+    path = Path(folder) / MODEL_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
