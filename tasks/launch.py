@@ -33,6 +33,9 @@ from .cards import rank_lock_files
 
 TAIL_LINES = 40
 WORKER_ERROR = re.compile(r"\[rank \d+\] error: (.*)")  # how training/__main__.py reports a refusal
+# the last line of a Python traceback in a user's script ("[rank0]: ValueError: ..." under torchrun)
+SCRIPT_ERROR = re.compile(r"^(?:\[rank\d+\]:\s*)?((?!torch\.distributed\.elastic)[A-Za-z_][\w.]*"
+                          r"(?:Error|Exception|Interrupt|Exit)\b:?.*)$")
 ATTEMPT_ENV = "GPUFLOW_LAUNCH_ATTEMPT"  # a Prefect retry of the launch is a restart for the worker
 
 
@@ -111,9 +114,10 @@ def _pump(stream, name: str, q: queue.Queue) -> None:
 
 
 def run_child(cmd: list[str], env: dict, cwd: Path, log: logging.Logger | logging.LoggerAdapter,
-              hold_fds: tuple[int, ...] = (), log_file: Path | None = None) -> tuple[int, list[str], list[str]]:
+              hold_fds: tuple[int, ...] = (), log_file: Path | None = None,
+              error: re.Pattern = WORKER_ERROR) -> tuple[int, list[str], list[str]]:
     """Run cmd, forwarding each output line to `log` (and `log_file`) as it arrives; returns
-    (code, its last lines, the errors the workers reported in their `[rank N] error:` lines).
+    (code, its last lines, the errors found by `error`: by default the workers' `[rank N] error:` lines).
 
     The child has a session of its own (a Ctrl-C reaches this process, which stops it in
     order), is killed if this process dies, and keeps `hold_fds` (card locks) open for as long
@@ -140,7 +144,7 @@ def run_child(cmd: list[str], env: dict, cwd: Path, log: logging.Logger | loggin
                 open_streams -= 1
                 continue
             tail.append(line)
-            if (found := WORKER_ERROR.search(line)) and len(errors) < 4:
+            if (found := error.search(line)) and len(errors) < 4:
                 errors.append(found.group(1))
             (log.warning if name == "stderr" and "error" in line.lower() else log.info)(line)
             if out is not None:
@@ -237,6 +241,9 @@ def script_environment(plan: DevicePlan, workdir: Path, metrics_file: Path, trac
     env |= {"MLFLOW_RUN_ID": run.info.run_id, "MLFLOW_EXPERIMENT_ID": run.info.experiment_id,
             "MLFLOW_TRACKING_URI": absolute_uri(tracking_uri),
             "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false",  # the flow runs the one monitor of the run
+            # a fresh store (hosted by rank 0) per torchrun attempt: the agent's shared one keeps
+            # the previous attempt's addresses, and a restarted rank dialled a dead peer (pytorch#167288)
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
             OUTPUT_DIR_ENV: str(workdir / "outputs")}
     return env
 
@@ -263,9 +270,12 @@ def launch_script(opts: ScriptRequest, plan: DevicePlan, workdir: Path, metrics_
     cmd = [*torchrun(plan, opts), opts.script, *opts.script_args]
     log.info("launching: %s", " ".join(cmd))
     env = script_environment(plan, workdir, metrics_file, opts.tracking_uri or default_tracking_uri())
-    code, tail, _ = run_child(cmd, env, Path.cwd(), log, hold_fds, log_file=workdir / "logs" / "script.log")
+    code, tail, errors = run_child(cmd, env, Path.cwd(), log, hold_fds, log_file=workdir / "logs" / "script.log",
+                                   error=SCRIPT_ERROR)
     if code != 0:
-        raise TrainingFailed(f"{Path(opts.script).name} exited with code {code}; last output:\n" + "\n".join(tail[-15:]))
+        why = f": {'; '.join(errors)}" if errors else ""
+        raise TrainingFailed(f"{Path(opts.script).name} exited with code {code}{why}; last output (all of it in "
+                             "the run's logs/script.log):\n" + "\n".join(tail[-15:]))
 
 
 def check_resume(cfg, num_classes: int | None, input_shape: list[int] | None) -> None:

@@ -253,13 +253,16 @@ def test_sigterm_to_the_flow_ends_the_run_killed_and_stops_every_rank(tmp_path, 
     proc = subprocess.Popen([str(Path(sys.executable).parent / "gpuflow"), "run", "--script", "slow.py",
                              "--cpu-processes", "2"], cwd=folder, env=env | {"PREFECT_API_URL": api_url},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    for line in proc.stdout:
-        if "training" in line and "launching" not in line:
-            break
-    ranks = [p for p in psutil.process_iter(["cmdline"]) if "slow.py" in " ".join(p.info["cmdline"] or [])]
-    assert len(ranks) == 3  # torchrun's agent and two ranks
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(60)
+    try:
+        for line in proc.stdout:
+            if "training" in line and "launching" not in line:
+                break
+        ranks = [p for p in psutil.Process(proc.pid).children(recursive=True)]
+        assert len(ranks) == 3, ranks  # torchrun's agent and two ranks
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) is not None
+    finally:
+        proc.kill()
     _, alive = psutil.wait_procs(ranks, timeout=30)
     assert not alive
     time.sleep(0.5)
