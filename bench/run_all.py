@@ -1,6 +1,6 @@
 """`make bench`: run the CPU benchmarks and write bench/RESULTS.md (tables + commands).
 
-    python -m bench.run_all            the quick set (sections 1, 1b, 2-4 and 6)
+    python -m bench.run_all            the quick set (sections 1, 1b, 2, 2c, 3, 4 and 6)
     python -m bench.run_all --full     adds 2b, the long job for the pipeline / bare ratio goal
     python -m bench.run_all --from-saved   rewrites RESULTS.md from the last run's figures
 """
@@ -11,7 +11,7 @@ import argparse
 import datetime
 import json
 
-from bench import dataload, overhead, stop, throughput, tracking, usermodel
+from bench import dataload, overhead, script, stop, throughput, tracking, usermodel
 from bench.common import ROOT, machine
 
 NOTES = (ROOT / "bench" / "NOTES.md")
@@ -33,6 +33,8 @@ SECTIONS = [  # (key, title, module, its arguments, in --full only)
      overhead, ["--repeats", "3"], False),
     ("overhead_long", "2b. Orchestration overhead on a long job (bare run >= 1 minute)",
      overhead, LONG_JOB, True),
+    ("script", "2c. Your own torchrun script under the pipeline vs bare torchrun (bare run >= 30 s)",
+     script, ["--repeats", "3"], False),
     ("tracking", "3. Tracking overhead (MLflow on vs off)", tracking, ["--repeats", "4"], False),
     ("dataload", "4. Data loading", dataload, ["--repeats", "3"], False),
     ("stop", "6. Stopping a running pipeline (Ctrl-C, SIGTERM, kill -9)", stop, ["--repeats", "1"], False),
@@ -99,6 +101,9 @@ def goals(r: dict) -> str:
         fl = (w["bare"]["median"] + w["floor"]["median"]) / w["bare"]["median"]
         rows.append(f"| (reference) bare + an empty Prefect flow run, / bare | {fl:.2f} | "
                     "what a launch that overlaps nothing with Prefect would cost |")
+    if "script" in r:
+        for goal, measured, met in script.goals(r["script"]):
+            rows.append(f"| {goal} | {measured} | {met} |")
     tr = r["tracking"]
     to = 100 * (tr["on"]["median"] - tr["off"]["median"]) / tr["off"]["median"]
     pp = tr["paired"]["on"]

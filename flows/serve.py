@@ -5,8 +5,8 @@
     .venv/bin/prefect deployment run 'train-pipeline/ddp' -p epochs=3 --watch
 
 Deployments: train-pipeline/ddp, train-pipeline/dp, retrain/nightly (cron from
-GPUFLOW_RETRAIN_CRON, default 02:00 every day, in GPUFLOW_TIMEZONE, default UTC) and
-evaluate-model/evaluate. Addresses and the schedule are settings (gpuflow/flows/settings.py). Runs on this host share one global concurrency limit, so a
+GPUFLOW_RETRAIN_CRON, default 02:00 every day, in GPUFLOW_TIMEZONE, default UTC),
+evaluate-model/evaluate and train-script/default. Addresses and the schedule are settings (gpuflow/flows/settings.py). Runs on this host share one global concurrency limit, so a
 scheduled retrain and a manual run never train at once: the second waits for the first.
 """
 
@@ -24,6 +24,7 @@ from gpuflow.tasks.cards import DEVICE_LIMIT, limit_exists
 
 from .infer import evaluate_model
 from .retrain import retrain
+from .script import train_script
 from .settings import Settings
 from .train import train_pipeline
 
@@ -41,7 +42,9 @@ def deployments(settings: Settings | None = None) -> list:
         retrain.to_deployment(name="nightly", schedules=[Cron(cron, timezone=tz)], **common,
                               description="Train a challenger; move 'champion' only if better."),
         evaluate_model.to_deployment(name="evaluate", **common,
-                                     description="Accuracy of a registered version on one device."),
+                                     description="Loss and metrics of a registered version on one device."),
+        train_script.to_deployment(name="default", **common,
+                                   description="Your own torchrun script (-p script=train.py -p script_args=[...])."),
     ]
 
 

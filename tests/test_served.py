@@ -119,6 +119,34 @@ def test_a_served_run_names_only_the_packages_and_folders_the_operator_allowed(s
     assert client.get_experiment_by_name("refused") is None  # refused before any MLflow run
 
 
+TINY_SCRIPT = """\
+import os, sys, mlflow, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+if dist.get_rank() == 0:
+    with mlflow.start_run():
+        mlflow.log_metric("epochs", float(sys.argv[1]))
+    torch.save(torch.nn.Linear(2, 2).state_dict(), os.path.join(os.environ["GPUFLOW_OUTPUT_DIR"], "w.pt"))
+dist.destroy_process_group()
+"""
+
+
+def test_the_script_deployment_runs_an_allowed_script_and_refuses_one_outside(served, tmp_path):
+    env, api, base = served["env"], served["api"], served["base"]
+    (base / "tiny.py").write_text(TINY_SCRIPT)
+    (tmp_path / "evil.py").write_text(TINY_SCRIPT)
+    common = ["-p", "script_args=[\"2\"]", "-p", "gpus=cpu", "-p", "experiment=scripted", "--watch"]
+    ok = _prefect(["deployment", "run", "train-script/default", "-p", "script=tiny.py", *common], env, timeout=300)
+    assert ok.returncode == 0, ok.stdout[-3000:] + (base / "serve.log").read_text()[-3000:]
+    client = _client(served)
+    (run,) = client.search_runs([client.get_experiment_by_name("scripted").experiment_id])
+    assert run.info.status == "FINISHED" and run.data.metrics["epochs"] == 2.0
+    assert run.data.params["gpuflow.world_size"] == "2" and "w.pt" in run.data.tags["gpuflow.checkpoint"]
+    out = _prefect(["deployment", "run", "train-script/default", "-p", f"script={tmp_path / 'evil.py'}", *common],
+                   env, timeout=300)
+    state = _api(api, f"/flow_runs/{_flow_run_id(out.stdout)}")["state"]
+    assert state["type"] == "FAILED" and "is outside the folders" in state["message"], state
+
+
 def test_cancelling_a_served_run_stops_its_ranks_and_ends_its_run_killed(served):
     env, api, db = served["env"], served["api"], served["db"]
     run = _prefect(["deployment", "run", "train-pipeline/ddp", "-p", "epochs=50", "-p", "gpus=cpu",
