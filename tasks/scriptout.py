@@ -3,6 +3,7 @@ by `collect`, the logs, and the newest state dict as a de-prefixed checkpoint.""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from .tracking import TrackedRun
@@ -16,6 +17,11 @@ def newest_state_file(files: list[Path]) -> Path | None:
     return max(found, key=lambda p: p.stat().st_mtime_ns) if found else None
 
 
+def declared_model(path: Path) -> dict | None:
+    """The model the script declared with gpuflow.training.helper.declare_model, or None."""
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
 def gather(run: TrackedRun, patterns: list[str], cwd: Path) -> dict:
     """Log the script's files; returns {"checkpoint", "weights", "model_spec", "outputs"}.
 
@@ -24,7 +30,7 @@ def gather(run: TrackedRun, patterns: list[str], cwd: Path) -> dict:
     a file that cannot be read that way is logged unchanged, and the run's
     `gpuflow.checkpoint` tag says why.
     """
-    from gpuflow.training.helper import declared_model
+    from gpuflow.training.metrics import MODEL_FILE  # torch-free: no torch import when there is nothing to load
 
     client, run_id, outputs = run.client, run.run_id, run.workdir / "outputs"
     produced = sorted(p for p in outputs.rglob("*") if p.is_file() and not p.name.startswith("."))
@@ -36,16 +42,16 @@ def gather(run: TrackedRun, patterns: list[str], cwd: Path) -> dict:
     if (run.workdir / "logs").is_dir():
         client.log_artifacts(run_id, str(run.workdir / "logs"), "logs")
     found = {"outputs": [str(p.relative_to(outputs)) for p in produced] + [str(p) for p in collected],
-             "model_spec": declared_model(outputs), "checkpoint": None, "weights": None}
+             "model_spec": declared_model(outputs / MODEL_FILE), "checkpoint": None, "weights": None}
     source = newest_state_file(produced + collected)
     if source is None:
         client.set_tag(run_id, "gpuflow.checkpoint", "none: the script saved no *.pt or *.pth file in "
                        "GPUFLOW_OUTPUT_DIR or the collect patterns")
         return found
-    return found | checkpoint_from(run, source)
+    return found | checkpoint_from(run, source, found["model_spec"], cwd)
 
 
-def checkpoint_from(run: TrackedRun, source: Path) -> dict:
+def checkpoint_from(run: TrackedRun, source: Path, spec: dict | None, cwd: Path) -> dict:
     import torch
 
     from gpuflow.training.checkpoint import CheckpointError, _torch_save
@@ -60,8 +66,10 @@ def checkpoint_from(run: TrackedRun, source: Path) -> dict:
         client.set_tag(run_id, "gpuflow.checkpoint", f"{source.name} logged unchanged, not de-prefixed: {e}"[:4000])
         return {"checkpoint": None}
     folder = run.workdir / "checkpoint"
-    checkpoint = atomic_write(folder / source.name, lambda tmp: _torch_save({"model": state, "source": str(source),
-                                                                             "found_at": where}, tmp))
+    payload = {"model": state, "source": str(source), "found_at": where}
+    if spec:  # what `gpuflow infer` rebuilds (training/evaluate.py), as for the registered model
+        payload |= {"model_spec": spec, "code_root": str(cwd)}
+    checkpoint = atomic_write(folder / source.name, lambda tmp: _torch_save(payload, tmp))
     weights = atomic_write(run.workdir / "weights.pt", lambda tmp: torch.save(state, tmp))
     client.log_artifact(run_id, str(checkpoint), "checkpoints")
     client.set_tag(run_id, "gpuflow.checkpoint", f"{source.name}: state dict at {where}, {len(state)} tensors, "

@@ -231,6 +231,12 @@ def test_the_helper_reports_live_resumes_after_a_killed_rank_and_registers_the_m
         print("shape", m.predict(np.zeros((4, 20), dtype=np.float32)).shape)
     """, cwd=elsewhere)
     assert "shape (4, 3)" in out.stdout, out.stderr[-3000:]
+    torch.save({"inputs": torch.zeros(4, 20)}, tmp_path / "x.pt")
+    infer = gpuflow(["infer", "--registered-model", "scripted", "--version", "1", "--inputs", str(tmp_path / "x.pt"),
+                     "--gpus", "cpu", "--tracking-uri", f"sqlite:///{folder / 'mlflow.db'}"], elsewhere, api_url)
+    assert infer.returncode == 0, infer.stderr[-3000:]
+    outputs = json.loads(infer.stdout[infer.stdout.index("{"):])["outputs"]
+    assert torch.tensor(outputs).shape == (4, 3)
 
 
 def test_bad_scripts_are_refused_or_fail_with_their_own_error(tmp_path, api_url):

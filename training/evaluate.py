@@ -36,6 +36,9 @@ def _device(device: str) -> torch.device:
 
 
 def _config(payload: dict, checkpoint: str, **overrides) -> TrainConfig:
+    if "model_spec" in payload and "config" not in payload:
+        raise CheckpointError(f"checkpoint {checkpoint!r} comes from your own script (the train-script flow), "
+                              "which names no dataset to evaluate on; use `gpuflow infer` on it")
     if "config" not in payload or "model" not in payload:
         raise CheckpointError(f"checkpoint {checkpoint!r} lacks its config; it was not written by gpuflow")
     return TrainConfig(**{**payload["config"], **{k: v for k, v in overrides.items() if v is not None},
@@ -82,23 +85,33 @@ def evaluate(checkpoint: str, split: str = "val", device: str = "auto", batch_si
 def predict(checkpoint: str, inputs: str, device: str = "auto", batch_size: int = 512) -> dict:
     """Class and probabilities for each sample of a tensor file (N x input shape)."""
     payload = load_file(checkpoint)
-    cfg = _config(payload, checkpoint)
     x = load_file(inputs).get("inputs") if inputs.endswith(".pt") else None
     if not isinstance(x, torch.Tensor):
         raise UserError(f"inputs file {inputs!r} must be a .pt file holding {{'inputs': tensor}} "
                         "(N samples of the model's input shape), saved with torch.save")
+    dev = _device(device)
+    if "model_spec" in payload and "config" not in payload:  # a script's declared model: its raw outputs
+        spec = payload["model_spec"]
+        model = build_model(spec["reference"], None, None, spec["kwargs"], payload.get("code_root"))
+        load_model_state(model, payload["model"], source=f"checkpoint {checkpoint!r}")
+        out = _outputs(model.to(dev).eval(), x, dev, batch_size)
+        return {"outputs": out.tolist(), "samples": len(x), "model": spec["reference"], **_where(dev)}
+    cfg = _config(payload, checkpoint)
     if "num_classes" not in payload:
         raise CheckpointError(f"checkpoint {checkpoint!r} does not record its class count (written by "
                               "an older gpuflow); evaluate it on a dataset instead, or retrain")
     num_classes = payload["num_classes"]
-    dev = _device(device)
     model = _model(cfg, payload, checkpoint, num_classes, payload.get("input_shape") or list(x.shape[1:]), dev)
-    out = torch.cat([model(b.to(dev).float()).float().cpu() for b in x.split(batch_size)])
+    out = _outputs(model, x, dev, batch_size)
     where = {"samples": len(x), "model": cfg.model, **_where(dev)}
     if cfg.objective != "classification":  # the model's outputs as they are
         return {"outputs": out.tolist(), **where}
     probs = out.softmax(1)
     return {"predictions": probs.argmax(1).tolist(), "probabilities": probs.tolist(), **where}
+
+
+def _outputs(model, x: torch.Tensor, dev: torch.device, batch_size: int) -> torch.Tensor:
+    return torch.cat([model(b.to(dev).float()).float().cpu() for b in x.split(batch_size)])
 
 
 def _concat(a, b):

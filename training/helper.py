@@ -17,7 +17,6 @@ Run by hand under plain torchrun, the helper only writes files, under ./gpuflow-
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -26,9 +25,7 @@ from torch import nn
 
 from .checkpoint import NAME, _torch_save, clean_state_dict, load_file, to_cpu, unwrap
 from .files import atomic_write, write_json_atomic
-from .metrics import METRICS_FILE_ENV, OUTPUT_DIR_ENV, format_line
-
-MODEL_FILE = "model.json"  # the declared model: reference and keyword arguments
+from .metrics import METRICS_FILE_ENV, MODEL_FILE, OUTPUT_DIR_ENV, format_line
 
 
 def output_dir() -> Path:
@@ -97,8 +94,3 @@ def resume(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> 
     print(f"[rank {os.environ.get('RANK', '0')}] resumed from {path} (epoch {payload['epoch']})", flush=True)
     return int(payload["epoch"])
 
-
-def declared_model(folder: Path) -> dict | None:
-    """The model `declare_model` named in `folder` (for the flow), or None."""
-    path = Path(folder) / MODEL_FILE
-    return json.loads(path.read_text()) if path.is_file() else None

@@ -14,6 +14,7 @@ import time
 
 METRICS_FILE_ENV = "GPUFLOW_METRICS_FILE"
 OUTPUT_DIR_ENV = "GPUFLOW_OUTPUT_DIR"  # a user script's output folder (gpuflow/training/helper.py)
+MODEL_FILE = "model.json"  # in that folder: the model the script declared (reference and kwargs)
 
 
 def format_line(step: int, metrics: dict[str, float], timestamp_ms: int | None = None) -> str:
