@@ -275,3 +275,44 @@ def test_sigterm_to_the_flow_ends_the_run_killed_and_stops_every_rank(tmp_path, 
     c = client(folder)
     (run,) = c.search_runs([c.get_experiment_by_name("gpuflow").experiment_id])
     assert run.info.status == "KILLED" and "SIGTERM" in run.data.tags["error"]
+
+
+# --- the pieces, without a flow -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("wrap", ["module.", "_orig_mod.", "_orig_mod.module.", "module._orig_mod."])
+def test_state_dicts_are_found_nested_and_stripped_of_every_wrapper_prefix(tmp_path, wrap):
+    from gpuflow.training.statedict import extract_state_dict
+
+    plain = torch.nn.Linear(3, 2).state_dict()
+    path = tmp_path / "snap.pt"
+    torch.save({"EPOCHS_RUN": 4, "MODEL_STATE": {wrap + k: v for k, v in plain.items()}, "note": "x"}, path)
+    state, where = extract_state_dict(path)
+    assert where == "['MODEL_STATE']" and list(state) == list(plain)
+    torch.nn.Linear(3, 2).load_state_dict(state, strict=True)
+
+
+def test_a_file_without_a_state_dict_is_refused_with_what_it_holds(tmp_path):
+    from gpuflow.training.checkpoint import CheckpointError
+    from gpuflow.training.statedict import extract_state_dict
+
+    torch.save({"epoch": 3, "losses": [0.5, 0.4]}, tmp_path / "stats.pt")
+    with pytest.raises(CheckpointError, match="holds no state dict.*found: epoch, losses"):
+        extract_state_dict(tmp_path / "stats.pt")
+
+
+def test_the_helper_under_plain_torchrun_only_writes_files(tmp_path):
+    """No flow: checkpoints and metrics land in ./gpuflow-output; a rerun resumes after them."""
+    folder = project(tmp_path / "proj", train=HELPER)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "GPUFLOW_"))}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train.py"]
+    for epochs in ("1", "2"):
+        out = subprocess.run([*cmd, epochs], cwd=folder, env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-3000:]
+    made = folder / "gpuflow-output"
+    assert sorted(p.name for p in (made / "checkpoints").iterdir()) == ["epoch-0001.pt", "epoch-0002.pt"]
+    assert "resumed from" in out.stdout + out.stderr
+    lines = [json.loads(line) for line in (made / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1, 2]  # rank 0 only, each epoch once
+    assert json.loads((made / "model.json").read_text()) == {"reference": "mynet:SimpleNN", "kwargs": {"hidden": 16}}
+    assert not (folder / "mlflow.db").exists() and not (folder / "mlruns").exists()
