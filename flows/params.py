@@ -51,6 +51,12 @@ def check_endpoint(v: str | None) -> str | None:
     return v
 
 
+def check_cores(name: str, value: int) -> None:
+    cores = os.cpu_count() or 1
+    if value > cores:
+        raise ValueError(f"{name}={value} is more than the {cores} CPUs of this host; use at most {cores} (0 = auto)")
+
+
 # Parameters several flows share, declared here once.
 Gpus = Annotated[str, AfterValidator(parse_gpus), Field(description=GPUS_HELP)]
 TrackingUri = Annotated[str | None, AfterValidator(check_tracking_uri),
@@ -124,11 +130,8 @@ class PipelineParams(TrainConfig):
 
     @model_validator(mode="after")
     def _fits_this_host(self) -> "PipelineParams":
-        cores = os.cpu_count() or 1
         for name in ("cpu_processes", "num_workers"):
-            if getattr(self, name) > cores:
-                raise ValueError(f"{name}={getattr(self, name)} is more than the {cores} CPUs of this host; "
-                                 f"use at most {cores} (0 = auto)")
+            check_cores(name, getattr(self, name))
         if self.dataset == "synthetic":
             need = self.synthetic_size * self.synthetic_side ** 2 * 4  # float32, one channel, per process
             ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -204,10 +207,7 @@ class ScriptParams(_ScriptBase):
 
     @model_validator(mode="after")
     def _fits_this_host(self) -> "ScriptParams":
-        cores = os.cpu_count() or 1
-        if self.cpu_processes > cores:
-            raise ValueError(f"cpu_processes={self.cpu_processes} is more than the {cores} CPUs of this host; "
-                             f"use at most {cores} (0 = auto)")
+        check_cores("cpu_processes", self.cpu_processes)
         return self
 
     def run_params(self, plan: DevicePlan) -> dict:
