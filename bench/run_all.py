@@ -95,7 +95,8 @@ def goals(r: dict) -> str:
             rows.append(f"| {goal} | {measured} | {met} |")
     else:
         rows.append(f"| pipeline / bare <= {overhead.RATIO_GOAL} (bare run >= {overhead.LONG_BARE_S:.0f} s, "
-                    "running server) | `make bench ARGS=--full` (section 2b) | not measured in this run |")
+                    "running server) | `make bench ARGS=--full` (section 2b); the last measurement is in bench/NOTES.md, "
+                    "'2b rerun after the synthetic-data fix' | not measured in this run |")
     w = r["overhead"]["walls"]
     if w.get("floor"):
         fl = (w["bare"]["median"] + w["floor"]["median"]) / w["bare"]["median"]
