@@ -34,7 +34,7 @@ from .cards import rank_lock_files
 TAIL_LINES = 40
 WORKER_ERROR = re.compile(r"\[rank \d+\] error: (.*)")  # how training/__main__.py reports a refusal
 # the last line of a Python traceback in a user's script ("[rank0]: ValueError: ..." under torchrun)
-SCRIPT_ERROR = re.compile(r"^(?:\[rank\d+\]:\s*)?((?!torch\.distributed\.elastic)[A-Za-z_][\w.]*"
+SCRIPT_ERROR = re.compile(r"^(?:\[rank\d+\]:\s*)*((?!torch\.distributed\.elastic)[A-Za-z_][\w.]*"
                           r"(?:Error|Exception|Interrupt|Exit)\b:?.*)$")
 ATTEMPT_ENV = "GPUFLOW_LAUNCH_ATTEMPT"  # a Prefect retry of the launch is a restart for the worker
 
@@ -76,8 +76,9 @@ def build_command(plan: DevicePlan, opts: LaunchRequest, config: Path, result: P
 
 def torchrun(plan: DevicePlan, opts: LaunchRequest) -> list[str]:
     """torchrun with the plan's processes per node, restarts and rendezvous."""
-    # No --tee/--log-dir: their log-tailing threads kept a signalled torchrun from exiting.
-    # The ranks' output reaches this process through torchrun's own stdout and stderr.
+    # The worker's ranks print through torchrun's own stdout and stderr: no --tee/--log-dir, whose
+    # log-tailing threads once kept a signalled torchrun from exiting. (Scripts use them for
+    # per-rank logs; tests/test_scripts.py stops such a run with SIGTERM.)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={plan.nproc_per_node}",
            f"--max-restarts={opts.max_restarts}", "--role=rank"]
     if opts.nnodes == 1 and not opts.rdzv_endpoint:
@@ -267,7 +268,10 @@ def launch_script(opts: ScriptRequest, plan: DevicePlan, workdir: Path, metrics_
 
     log = get_run_logger()
     (workdir / "outputs").mkdir(parents=True, exist_ok=True)
-    cmd = [*torchrun(plan, opts), opts.script, *opts.script_args]
+    # per-rank logs (logs/ranks/<job>/attempt_<n>/<local rank>/std{out,err}.log, logged with the run)
+    # and every console line tagged with its global rank
+    cmd = [*torchrun(plan, opts), f"--log-dir={workdir / 'logs' / 'ranks'}", "--tee=3",
+           "--log-line-prefix-template=[rank${rank}]:", opts.script, *opts.script_args]
     log.info("launching: %s", " ".join(cmd))
     env = script_environment(plan, workdir, metrics_file, opts.tracking_uri or default_tracking_uri())
     code, tail, errors = run_child(cmd, env, Path.cwd(), log, hold_fds, log_file=workdir / "logs" / "script.log",

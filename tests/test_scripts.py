@@ -215,8 +215,12 @@ def test_the_helper_reports_live_resumes_after_a_killed_rank_and_registers_the_m
     c = client(folder)
     for out in (killed, straight):
         assert [m.step for m in c.get_metric_history(out["run_id"], "train_loss")] == [1, 2, 3]
-    log = (folder / "runs" / killed["run_id"] / "logs" / "script.log").read_text()
-    assert "resumed from" in log and "epoch-0001.pt" in log, log[-3000:]
+    logs = folder / "runs" / killed["run_id"] / "logs"
+    log = (logs / "script.log").read_text()
+    assert "[rank1]:[rank 1] resumed from" in log and "epoch-0001.pt" in log, log[-3000:]  # tagged by rank
+    (rank1,) = logs.glob("ranks/*/attempt_1/1/stdout.log")  # each rank's own log, per attempt
+    assert "[rank 1] resumed from" in rank1.read_text()
+    assert [a.path for a in c.list_artifacts(killed["run_id"], "logs")] == ["logs/ranks", "logs/script.log"]
     a = torch.load(killed["checkpoint"], weights_only=True)["model"]
     b = torch.load(straight["checkpoint"], weights_only=True)["model"]
     for k in b:
