@@ -52,10 +52,7 @@ def gather(run: TrackedRun, patterns: list[str], cwd: Path) -> dict:
 
 
 def checkpoint_from(run: TrackedRun, source: Path, spec: dict | None, cwd: Path) -> dict:
-    import torch
-
-    from gpuflow.training.checkpoint import CheckpointError, _torch_save
-    from gpuflow.training.files import atomic_write
+    from gpuflow.training.checkpoint import CheckpointError, save_file
     from gpuflow.training.statedict import extract_state_dict
 
     client, run_id = run.client, run.run_id
@@ -69,8 +66,8 @@ def checkpoint_from(run: TrackedRun, source: Path, spec: dict | None, cwd: Path)
     payload = {"model": state, "source": str(source), "found_at": where}
     if spec:  # what `gpuflow infer` rebuilds (training/evaluate.py), as for the registered model
         payload |= {"model_spec": spec, "code_root": str(cwd)}
-    checkpoint = atomic_write(folder / source.name, lambda tmp: _torch_save(payload, tmp))
-    weights = atomic_write(run.workdir / "weights.pt", lambda tmp: torch.save(state, tmp))
+    checkpoint = save_file(folder / source.name, payload)
+    weights = save_file(run.workdir / "weights.pt", state)
     client.log_artifact(run_id, str(checkpoint), "checkpoints")
     client.set_tag(run_id, "gpuflow.checkpoint", f"{source.name}: state dict at {where}, {len(state)} tensors, "
                    "prefixes stripped; loads with load_state_dict(ck['model'], strict=True)")

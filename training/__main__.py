@@ -44,7 +44,8 @@ def run(config_path: str, result_path: str | None, freeze_imports: bool = False)
 
 def _train(cfg, metrics, config_path: str, result_path: str | None, freeze_imports: bool) -> dict:
     from . import data, distributed
-    from .trainer import Trainer, seed_everything, set_determinism
+    from .reproducible import seed_everything, set_determinism
+    from .trainer import Trainer
 
     if freeze_imports:  # the entry point only, not a caller's process (tests run this in-process)
         # Objects from the imports (torch's are many) live to the end: freezing them keeps

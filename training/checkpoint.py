@@ -133,6 +133,17 @@ def _torch_save(payload: dict, path: Path) -> None:
         torch.save(payload, f)
 
 
+def save_file(path: str | Path, payload) -> Path:
+    """torch.save to a temp file beside `path`, then rename: never half a file; a full disk
+    raises DiskFull (a UserError) naming the file."""
+    return atomic_write(path, lambda tmp: _torch_save(payload, tmp))
+
+
+def model_state(model: nn.Module) -> dict:
+    """The unwrapped model's state dict (no DP/DDP/compile prefix), as CPU tensors."""
+    return to_cpu(unwrap(model).state_dict())
+
+
 class CheckpointStore:
     """Epoch checkpoints in one folder: `epoch-0001.pt`, ... Only complete files count."""
 
@@ -171,7 +182,7 @@ class CheckpointStore:
 
         A full disk raises DiskFull (a UserError) naming the file; no temp file is left.
         """
-        return atomic_write(self.path_for(epoch), lambda tmp: _torch_save(payload, tmp))
+        return save_file(self.path_for(epoch), payload)
 
     def latest(self) -> Path | None:
         """Newest complete checkpoint (temp files never match the name pattern)."""

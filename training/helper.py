@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .checkpoint import NAME, _torch_save, clean_state_dict, load_file, to_cpu, unwrap
-from .files import atomic_write, write_json_atomic
+from .checkpoint import CheckpointStore, clean_state_dict, load_file, model_state, to_cpu, unwrap
+from .files import write_json_atomic
 from .metrics import METRICS_FILE_ENV, MODEL_FILE, OUTPUT_DIR_ENV, format_line
 
 
@@ -66,25 +66,22 @@ def save_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer | None = 
     `extra` tensors or plain values. Returns the path on rank 0, else None."""
     if not is_main():
         return None
-    payload = {"model": clean_state_dict(to_cpu(unwrap(model).state_dict())), "epoch": int(epoch), **extra}
+    payload = {"model": clean_state_dict(model_state(model)), "epoch": int(epoch), **extra}
     if optimizer is not None:
         payload["optimizer"] = to_cpu(optimizer.state_dict())
-    path = output_dir() / "checkpoints" / f"epoch-{int(epoch):04d}.pt"
-    return atomic_write(path, lambda tmp: _torch_save(payload, tmp))
+    return checkpoints().save(payload, int(epoch))
 
 
-def latest_checkpoint() -> Path | None:
-    """The newest complete checkpoint written by `save_checkpoint` (temp files never match)."""
-    found = [(int(m.group(1)), p) for p in (output_dir() / "checkpoints").glob("epoch-*.pt")
-             if (m := NAME.match(p.name))]
-    return max(found)[1] if found else None
+def checkpoints() -> CheckpointStore:
+    """The script's checkpoints, as gpuflow's worker keeps its own: epoch-0001.pt, ..."""
+    return CheckpointStore(output_dir() / "checkpoints")
 
 
 def resume(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
     """Load the newest checkpoint into `model` (and `optimizer`) on every rank; returns the
     epochs it had done, so `range(resume(...), epochs)` continues after a torchrun restart
     with the next epoch, never repeating the last one. 0 when there is none."""
-    path = latest_checkpoint()
+    path = checkpoints().latest()
     if path is None:
         return 0
     payload = load_file(path)

@@ -5,71 +5,26 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import random
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import data as data_mod
 from .checkpoint import CheckpointError, CheckpointStore, load_file, load_model_state
-from .checkpoint import rng_state, set_rng_state, to_cpu, unwrap
+from .checkpoint import model_state, rng_state, save_file, set_rng_state, to_cpu, unwrap
 from .config import TrainConfig
 from .distributed import DistContext, LaunchError, all_reduce_sum
 from .builder import make_model
 from .errors import TrainingDiverged
+from .faults import fault_hook
 from .metrics import MetricsFile
 from .objective import Totals, apply, batch_len, call_model, concat, load_objective, split_batch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def seed_everything(seed: int) -> None:
-    """Python, numpy, torch and every CUDA device (manual_seed covers all devices)."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-def set_determinism(cfg: TrainConfig) -> None:
-    if cfg.deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # required by cuBLAS
-        torch.use_deterministic_algorithms(True)
-    torch.backends.cudnn.deterministic = cfg.deterministic
-    torch.backends.cudnn.benchmark = cfg.cudnn_benchmark and not cfg.deterministic
-
-
-def fault_hook(spec: str | None):
-    """Test-only fault injection: GPUFLOW_FAULT='rank=1,epoch=2,restart=0[,step=N][,once=PATH]'.
-
-    Kills the process at that point of the given torchrun restart; with `once`, only if
-    PATH does not exist yet (it is created first), so a fresh launch after it succeeds.
-    Returns f(rank, epoch, step), or None when unset.
-    """
-    if not spec:
-        return None
-    fields = dict(kv.split("=", 1) for kv in spec.split(","))
-    once = fields.pop("once", None)
-    want = {k: int(v) for k, v in fields.items()}
-
-    def maybe_die(rank: int, epoch: int, step: int) -> None:
-        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-        if (rank, epoch, restart, step) != (want.get("rank", 0), want.get("epoch", 1),
-                                            want.get("restart", 0), want.get("step", 1)):
-            return
-        if once:
-            try:
-                open(once, "x").close()
-            except FileExistsError:
-                return
-        print(f"[rank {rank}] injected fault at epoch {epoch} step {step}", flush=True)
-        os._exit(17)
-
-    return maybe_die
 
 
 class Trainer:
@@ -183,7 +138,7 @@ class Trainer:
             return
         payload = {
             # CPU tensors: the file loads on any host, GPU or not, with plain torch.load
-            "model": to_cpu(unwrap(self.model).state_dict()),
+            "model": model_state(self.model),
             "optimizer": to_cpu(self.optimizer.state_dict()),
             "scaler": self.scaler.state_dict(),
             "epoch": self.epochs_run,
@@ -332,11 +287,7 @@ class Trainer:
     def save_weights(self, path: Path) -> Path:
         """The trained model's state dict alone (CPU tensors, no wrapper prefix): what the
         registered model loads, strict, into the model's own class."""
-        from .checkpoint import _torch_save
-        from .files import atomic_write
-
-        state = to_cpu(unwrap(self.model).state_dict())
-        return atomic_write(path, lambda tmp: _torch_save(state, tmp))
+        return save_file(path, model_state(self.model))
 
     @torch.no_grad()
     def example(self, n: int = 2) -> tuple:

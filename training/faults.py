@@ -1,0 +1,34 @@
+"""Test-only fault injection for the worker: kill a rank at a chosen point (GPUFLOW_FAULT)."""
+
+from __future__ import annotations
+
+import os
+
+
+def fault_hook(spec: str | None):
+    """Test-only fault injection: GPUFLOW_FAULT='rank=1,epoch=2,restart=0[,step=N][,once=PATH]'.
+
+    Kills the process at that point of the given torchrun restart; with `once`, only if
+    PATH does not exist yet (it is created first), so a fresh launch after it succeeds.
+    Returns f(rank, epoch, step), or None when unset.
+    """
+    if not spec:
+        return None
+    fields = dict(kv.split("=", 1) for kv in spec.split(","))
+    once = fields.pop("once", None)
+    want = {k: int(v) for k, v in fields.items()}
+
+    def maybe_die(rank: int, epoch: int, step: int) -> None:
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+        if (rank, epoch, restart, step) != (want.get("rank", 0), want.get("epoch", 1),
+                                            want.get("restart", 0), want.get("step", 1)):
+            return
+        if once:
+            try:
+                open(once, "x").close()
+            except FileExistsError:
+                return
+        print(f"[rank {rank}] injected fault at epoch {epoch} step {step}", flush=True)
+        os._exit(17)
+
+    return maybe_die
