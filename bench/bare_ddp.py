@@ -53,31 +53,42 @@ def parse_args():
 
 def main():
     args = parse_args()
-    ddp = "RANK" in os.environ
-    if ddp:
-        dist.init_process_group("gloo")
-    rank, world = (dist.get_rank(), dist.get_world_size()) if ddp else (0, 1)
+    ddp, rank, world = start()
     torch.manual_seed(42)
     bundle = load_data(TrainConfig(dataset=args.dataset, synthetic_size=args.synthetic_size,
                                    synthetic_side=args.synthetic_side, model=args.model), fingerprint=False)
     dataset = TensorDataset(bundle.train.x, bundle.train.y)
-    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=42)
-    loader = DataLoader(dataset, batch_size=args.batch_size // world, sampler=sampler)
     model = SimpleNN() if args.model == "mlp" else build_model(args.model, bundle.num_classes,
                                                                 tuple(bundle.train.x.shape[1:]))
+    train(model, dataset, args.epochs, args.batch_size, ddp, rank, world)
+
+
+def start() -> tuple[bool, int, int]:
+    """(under torchrun?, rank, world size); joins the gloo group under torchrun."""
+    ddp = "RANK" in os.environ
+    if ddp:
+        dist.init_process_group("gloo")
+    return (ddp, dist.get_rank(), dist.get_world_size()) if ddp else (False, 0, 1)
+
+
+def train(model: nn.Module, dataset, epochs: int, batch_size: int, ddp: bool, rank: int, world: int) -> None:
+    """The seeds' loop: DistributedSampler + DataLoader, DDP, Adam, cross-entropy; one JSON line
+    per epoch on rank 0; then leaves the group."""
+    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=42)
+    loader = DataLoader(dataset, batch_size=batch_size // world, sampler=sampler)
     model = DDP(model) if ddp else model
     criterion = nn.CrossEntropyLoss()
     optimizer = torch.optim.Adam(model.parameters(), lr=0.001)
-    for epoch in range(args.epochs):
+    for epoch in range(epochs):
         sampler.set_epoch(epoch)
-        start, seen = time.perf_counter(), 0
+        start_s, seen = time.perf_counter(), 0
         for inputs, labels in loader:
             optimizer.zero_grad()
             loss = criterion(model(inputs), labels)
             loss.backward()
             optimizer.step()
             seen += len(labels)
-        elapsed = time.perf_counter() - start
+        elapsed = time.perf_counter() - start_s
         if rank == 0:
             print(json.dumps({"epoch": epoch + 1, "samples_per_s": seen * world / elapsed,
                               "loss": loss.item()}), flush=True)

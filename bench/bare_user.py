@@ -1,28 +1,21 @@
 """Bare reference for a user's model: the seeds' DDP loop around bench/userproj's Net and
-dataset, no gpuflow. Run it as the pipeline launches:
+dataset, no gpuflow in the loop. Run it as the pipeline launches:
 
     torchrun --standalone --nproc_per_node=2 bench/bare_user.py --data-root DIR --epochs 3
     python bench/bare_user.py --data-root DIR ...          (one process, no process group)
 
-DistributedSampler + DataLoader (default collate) over the user's map-style dataset, DDP
-over gloo, Adam, cross-entropy. Prints one JSON line per epoch with samples/s, as
-bench/bare_ddp.py does.
+The loop is bench/bare_ddp.py's (DistributedSampler + DataLoader with default collate over
+the user's map-style dataset, DDP over gloo, Adam, cross-entropy), one JSON line per epoch.
 """
 
 import argparse
-import json
-import os
 import sys
-import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.nn as nn
-from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "userproj"))
+from bare_ddp import start, train  # noqa: E402  (the same seeds' loop, beside this file)
 from benchnet.data import datasets  # noqa: E402
 from benchnet.nets import Net  # noqa: E402
 
@@ -34,34 +27,11 @@ def main():
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--hidden", type=int, default=256)
     args = p.parse_args()
-    ddp = "RANK" in os.environ
-    if ddp:
-        dist.init_process_group("gloo")
-    rank, world = (dist.get_rank(), dist.get_world_size()) if ddp else (0, 1)
+    ddp, rank, world = start()
     torch.manual_seed(42)
-    train, _ = datasets(args.data_root)
-    sampler = DistributedSampler(train, num_replicas=world, rank=rank, shuffle=True, seed=42)
-    loader = DataLoader(train, batch_size=args.batch_size // world, sampler=sampler)
-    model = Net(hidden=args.hidden, num_classes=len(train.classes), input_shape=list(train[0][0].shape))
-    model = DDP(model) if ddp else model
-    criterion = nn.CrossEntropyLoss()
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.001)
-    for epoch in range(args.epochs):
-        sampler.set_epoch(epoch)
-        start, seen = time.perf_counter(), 0
-        for inputs, labels in loader:
-            optimizer.zero_grad()
-            loss = criterion(model(inputs), labels)
-            loss.backward()
-            optimizer.step()
-            seen += len(labels)
-        elapsed = time.perf_counter() - start
-        if rank == 0:
-            print(json.dumps({"epoch": epoch + 1, "samples_per_s": seen * world / elapsed,
-                              "loss": loss.item()}), flush=True)
-    if ddp:
-        dist.barrier()  # leave together: a rank tearing gloo down early can abort the other
-        dist.destroy_process_group()
+    dataset, _ = datasets(args.data_root)
+    model = Net(hidden=args.hidden, num_classes=len(dataset.classes), input_shape=list(dataset[0][0].shape))
+    train(model, dataset, args.epochs, args.batch_size, ddp, rank, world)
 
 
 if __name__ == "__main__":

@@ -84,3 +84,25 @@ def script_rate(script: str, args: list[str], world: int = 1) -> float:
     _, out = run([*launcher(world), str(ROOT / "bench" / script), *args])
     rates = [r["samples_per_s"] for r in json_lines(out) if "samples_per_s" in r]
     return statistics.median(rates[1:])
+
+
+def loop_args(p) -> None:
+    """The training-loop benchmarks' shared options (bench.throughput, bench.usermodel)."""
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--size", type=int, default=16384)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--worlds", default="1,2")
+
+
+def interleaved(repeats: int, runs: dict) -> dict[str, list[float]]:
+    """{name: [value per repeat]}: each repeat calls every `runs[name]()` back to back, the
+    order alternating between repeats so that a drift within a repeat favours none. Prints
+    each repeat's values."""
+    values: dict[str, list[float]] = {name: [] for name in runs}
+    names = list(runs)
+    for i in range(repeats):
+        for name in names if i % 2 == 0 else names[::-1]:
+            values[name].append(runs[name]())
+        print({k: round(v[-1], 1) for k, v in values.items()}, flush=True)
+    return values

@@ -14,7 +14,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from bench.common import PY, ROOT, TORCHRUN, env, run, summary
+from bench.common import PY, ROOT, TORCHRUN, env, interleaved, run, summary
 from tests.servers import prefect_server
 
 GOAL = 1.10
@@ -43,18 +43,13 @@ def main(argv=None) -> dict:
     p.add_argument("--size", type=int, default=120_000, help="synthetic samples (bare run >= 30 s on 2 cores)")
     p.add_argument("--epochs", type=int, default=3)
     a = p.parse_args(argv)
-    walls: dict[str, list[float]] = {"bare": [], "pipeline": []}
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         (tmp / "server-home").mkdir()
         server, url = prefect_server(tmp / "server-home", env())
         with server:
             pipeline(tmp, argparse.Namespace(size=2048, epochs=1), url)  # the first run creates mlflow.db
-            for i in range(a.repeats):
-                order = ("bare", "pipeline") if i % 2 == 0 else ("pipeline", "bare")
-                for what in order:
-                    walls[what].append(bare(a) if what == "bare" else pipeline(tmp, a, url))
-                print({k: round(v[-1], 1) for k, v in walls.items()}, flush=True)
+            walls = interleaved(a.repeats, {"bare": lambda: bare(a), "pipeline": lambda: pipeline(tmp, a, url)})
     paired = {"fixed_s": summary([s - b for s, b in zip(walls["pipeline"], walls["bare"], strict=True)]),
               "ratio": summary([s / b for s, b in zip(walls["pipeline"], walls["bare"], strict=True)])}
     return {"args": vars(a), "walls": {k: summary(v) for k, v in walls.items()}, "paired": paired}

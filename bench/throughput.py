@@ -11,7 +11,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from bench.common import fmt, loop_rate, run_worker, script_rate, summary
+from bench.common import fmt, loop_args, loop_rate, run_worker, script_rate, summary
 
 
 def ours(world: int, a, tmp: Path) -> float:
@@ -36,11 +36,7 @@ def have_lightning() -> bool:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--epochs", type=int, default=4)
-    p.add_argument("--size", type=int, default=16384)
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--worlds", default="1,2")
+    loop_args(p)
     a = p.parse_args(argv)
     tools = ["ours", "bare"] + (["lightning"] if have_lightning() else [])
     results: dict = {}

@@ -11,17 +11,23 @@ of epochs 2..E. Goal (issue 16): ours / bare >= 0.98 at world 1 and 2.
 from __future__ import annotations
 
 import argparse
+from functools import partial
 import sys
 import tempfile
 from pathlib import Path
 
-from bench.common import ROOT, fmt, loop_rate, run_worker, script_rate, summary
+from bench.common import ROOT, fmt, interleaved, loop_args, loop_rate, run_worker, script_rate, summary
 
 PROJECT = ROOT / "bench" / "userproj"
 GOAL = 0.98
 
 
-def ours(world: int, a, tmp: Path, data: Path) -> float:
+def ours(world: int, a, data: Path) -> float:
+    with tempfile.TemporaryDirectory() as t:
+        return _ours(world, a, Path(t), data)
+
+
+def _ours(world: int, a, tmp: Path, data: Path) -> float:
     cfg = {"model": "benchnet.nets:Net", "model_args": {"hidden": a.hidden},
            "dataset": "benchnet.data:datasets", "data_root": str(data), "code_root": str(PROJECT),
            "epochs": a.epochs, "batch_size": a.batch, "resume": "never", "checkpoint_dir": str(tmp / "ck"),
@@ -36,12 +42,8 @@ def bare(world: int, a, data: Path) -> float:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--epochs", type=int, default=4)
-    p.add_argument("--size", type=int, default=16384)
-    p.add_argument("--batch", type=int, default=64)
+    loop_args(p)
     p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--worlds", default="1,2")
     a = p.parse_args(argv)
     sys.path.insert(0, str(PROJECT))
     from benchnet.data import write
@@ -51,16 +53,8 @@ def main(argv=None) -> dict:
         data = Path(d) / "data"
         write(str(data), a.size)
         for world in map(int, a.worlds.split(",")):
-            rates: dict[str, list[float]] = {"ours": [], "bare": []}
-            for i in range(a.repeats):
-                # alternate which runs first, so a drift within a repeat favours neither
-                order = ("ours", "bare") if i % 2 == 0 else ("bare", "ours")
-                for tool in order:
-                    if tool == "ours":
-                        with tempfile.TemporaryDirectory() as t:
-                            rates["ours"].append(ours(world, a, Path(t), data))
-                    else:
-                        rates["bare"].append(bare(world, a, data))
+            rates = interleaved(a.repeats, {"ours": partial(ours, world, a, data),
+                                            "bare": partial(bare, world, a, data)})
             r = results[world] = {t: summary(v) for t, v in rates.items()}
             r["paired"] = summary([o / b for o, b in zip(rates["ours"], rates["bare"], strict=True)])
             print(f"world {world}: ours {fmt(r['ours'])}, bare {fmt(r['bare'])}, "
