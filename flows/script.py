@@ -16,12 +16,11 @@ env:// rendezvous exist as it expects), from the folder gpuflow runs in, with:
 
 from __future__ import annotations
 
-import uuid
 from pathlib import Path
 
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
-from prefect.runtime import deployment, flow_run
+from prefect.runtime import flow_run
 
 from gpuflow.tasks import orphans, results, store, tracking
 from gpuflow.tasks.assign import DevicePlan, assign_devices
@@ -31,7 +30,7 @@ from gpuflow.tasks.probe import probe_environment
 
 from .allow import check_allowed
 from .params import ScriptParams, flat_parameters
-from .train import entry_point
+from .train import given_name, plan_tags
 
 
 def script_run_name() -> str:
@@ -41,15 +40,7 @@ def script_run_name() -> str:
 
 def name_run(params: ScriptParams, plan: DevicePlan) -> str:
     """<script>-<strategy>-x<processes>-<flow run id's start>, unless the user named the run."""
-    if params.run_name:
-        return params.run_name
-    name = f"{Path(params.script).stem}-{plan.strategy}-x{plan.nproc_per_node}-{(flow_run.get_id() or uuid.uuid4().hex)[:6]}"
-    if flow_run.get_id():
-        from prefect.client.orchestration import get_client
-
-        with get_client(sync_client=True) as client:
-            client.update_flow_run(flow_run.get_id(), name=name)
-    return name
+    return params.run_name or given_name(f"{Path(params.script).stem}-{plan.strategy}-x{plan.nproc_per_node}")
 
 
 @flow(name="train-script", flow_run_name=script_run_name, validate_parameters=False,
@@ -85,14 +76,7 @@ def train_script(params: ScriptParams) -> dict:
 
 
 def run_tags(params: ScriptParams, plan: DevicePlan) -> dict:
-    return {
-        store.FLOW_RUN_TAG: flow_run.get_id(), "prefect.flow_run_name": flow_run.get_name(),
-        "prefect.deployment": deployment.get_name(), "mlflow.source.git.commit": store.git_commit(),
-        "mlflow.source.name": entry_point(), "script": params.script,
-        "strategy": plan.strategy, "world_size": plan.nproc_per_node, "backend": plan.backend,
-        "device": plan.device, "physical_gpus": ",".join(map(str, plan.physical_ids)) or "none",
-        "primary_gpu": plan.primary if plan.primary is not None else "none",
-    }
+    return {**plan_tags(plan, plan.nproc_per_node), "script": params.script}
 
 
 @task(name="collect-outputs", cache_policy=NO_CACHE)

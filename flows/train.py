@@ -70,12 +70,15 @@ def dataset_label(dataset: str) -> str:
 
 
 def name_run(params: PipelineParams, plan: DevicePlan) -> str:
-    """model-dataset-strategy-x<world size>-<flow run id's start>, unless the user named the run;
-    the Prefect flow run takes the same name, so each run is found by one name in both UIs."""
-    if params.run_name:
-        return params.run_name
-    name = (f"{dataset_label(params.model)}-{dataset_label(params.dataset)}-{plan.strategy}-x{params.world_size(plan)}-"
-            f"{(flow_run.get_id() or uuid.uuid4().hex)[:6]}")
+    """model-dataset-strategy-x<world size>-<flow run id's start>, unless the user named the run."""
+    return params.run_name or given_name(f"{dataset_label(params.model)}-{dataset_label(params.dataset)}-"
+                                         f"{plan.strategy}-x{params.world_size(plan)}")
+
+
+def given_name(stem: str) -> str:
+    """<stem>-<flow run id's start>, which the Prefect flow run takes too, so that each run is
+    found by one name in both UIs."""
+    name = f"{stem}-{(flow_run.get_id() or uuid.uuid4().hex)[:6]}"
     if flow_run.get_id():
         from prefect.client.orchestration import get_client
 
@@ -160,7 +163,11 @@ def train_node(params: PipelineParams, plan: DevicePlan, data: DatasetInfo, time
 
 
 def run_tags(params: PipelineParams, plan: DevicePlan) -> dict:
-    world = params.world_size(plan)
+    return {**plan_tags(plan, params.world_size(plan)), "dataset": params.dataset, "model": params.model}
+
+
+def plan_tags(plan: DevicePlan, world: int) -> dict:
+    """The MLflow run's tags every flow sets: its Prefect run, source, and devices."""
     return {
         store.FLOW_RUN_TAG: flow_run.get_id(), "prefect.flow_run_name": flow_run.get_name(),
         "prefect.deployment": deployment.get_name(), "mlflow.source.git.commit": store.git_commit(),
@@ -168,7 +175,6 @@ def run_tags(params: PipelineParams, plan: DevicePlan) -> dict:
         "strategy": plan.strategy, "world_size": world, "backend": plan.backend,
         "device": plan.device, "physical_gpus": ",".join(map(str, plan.physical_ids)) or "none",
         "primary_gpu": plan.primary if plan.primary is not None else "none",
-        "dataset": params.dataset, "model": params.model,
     }
 
 
