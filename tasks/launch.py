@@ -235,9 +235,10 @@ def script_environment(plan: DevicePlan, workdir: Path, metrics_file: Path, trac
 
     from gpuflow.training.metrics import OUTPUT_DIR_ENV
 
+    from .store import absolute_uri
+
     env = child_environment(plan, metrics_file)
-    for inherited in ("MLFLOW_EXPERIMENT_NAME", "MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_ID"):
-        env.pop(inherited, None)
+    env.pop("MLFLOW_EXPERIMENT_NAME", None)  # the run's own experiment, set below, is the one
     run = mlflow.active_run()
     env |= {"MLFLOW_RUN_ID": run.info.run_id, "MLFLOW_EXPERIMENT_ID": run.info.experiment_id,
             "MLFLOW_TRACKING_URI": absolute_uri(tracking_uri),
@@ -247,14 +248,6 @@ def script_environment(plan: DevicePlan, workdir: Path, metrics_file: Path, trac
             "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
             OUTPUT_DIR_ENV: str(workdir / "outputs")}
     return env
-
-
-def absolute_uri(uri: str) -> str:
-    """sqlite:///relative.db as an absolute path: the same store from any working folder."""
-    prefix = "sqlite:///"
-    if uri.startswith(prefix) and not uri[len(prefix):].startswith("/") and uri[len(prefix):] != ":memory:":
-        return prefix + str(Path(uri[len(prefix):]).resolve())
-    return uri
 
 
 @task(name="launch-script", retries=0, cache_policy=NO_CACHE)

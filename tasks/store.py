@@ -23,6 +23,14 @@ def default_tracking_uri() -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
 
 
+def absolute_uri(uri: str) -> str:
+    """sqlite:///relative.db as an absolute path: the same store from any working folder."""
+    prefix = "sqlite:///"
+    if uri.startswith(prefix) and not uri[len(prefix):].startswith("/") and uri[len(prefix):] != ":memory:":
+        return prefix + str(Path(uri[len(prefix):]).resolve())
+    return uri
+
+
 def prepare_store(uri: str) -> MlflowClient:
     """Point MLflow at `uri`; for SQLite create the schema and switch it to WAL once.
 
