@@ -320,3 +320,33 @@ def test_the_helper_under_plain_torchrun_only_writes_files(tmp_path):
     assert [line["step"] for line in lines] == [1, 2]  # rank 0 only, each epoch once
     assert json.loads((made / "model.json").read_text()) == {"reference": "mynet:SimpleNN", "kwargs": {"hidden": 16}}
     assert not (folder / "mlflow.db").exists() and not (folder / "mlruns").exists()
+
+
+def test_the_helper_resumes_the_model_optimizer_and_random_streams(tmp_path, monkeypatch):
+    """A resumed script draws the same dropout masks and shuffles as one that never stopped."""
+    import random
+
+    import numpy as np
+
+    from gpuflow.training import helper
+
+    monkeypatch.setenv("GPUFLOW_OUTPUT_DIR", str(tmp_path / "out"))
+    monkeypatch.delenv("RANK", raising=False)
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Dropout(0.5))
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    assert helper.resume(model, opt) == 0  # nothing saved yet
+    path = helper.save_checkpoint(model, opt, epoch=3)
+    after = (torch.rand(3), np.random.rand(2), random.random(), model(torch.ones(1, 4)))
+
+    torch.manual_seed(99), np.random.seed(99), random.seed(99)
+    fresh = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Dropout(0.5))
+    fresh_opt = torch.optim.Adam(fresh.parameters())
+    assert helper.resume(fresh, fresh_opt) == 3 and path.name == "epoch-0003.pt"
+    again = (torch.rand(3), np.random.rand(2), random.random(), fresh(torch.ones(1, 4)))
+    torch.testing.assert_close(again[0], after[0])
+    assert np.array_equal(again[1], after[1]) and again[2] == after[2]
+    torch.testing.assert_close(again[3], after[3])  # same weights, same dropout mask
+    assert fresh_opt.state_dict()["state"][0]["step"] == opt.state_dict()["state"][0]["step"]

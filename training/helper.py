@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .checkpoint import CheckpointStore, clean_state_dict, load_file, model_state, to_cpu, unwrap
+from .checkpoint import (CheckpointStore, clean_state_dict, load_file, model_state, rng_state, set_rng_state, to_cpu,
+                         unwrap)
 from .files import write_json_atomic
 from .metrics import METRICS_FILE_ENV, MODEL_FILE, OUTPUT_DIR_ENV, format_line
 
@@ -62,11 +63,12 @@ def declare_model(reference: str, **kwargs) -> None:
 def save_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, epoch: int,
                     **extra) -> Path | None:
     """Write checkpoints/epoch-<epoch>.pt atomically on rank 0: the unwrapped model's state dict
-    (no `module.`/`_orig_mod.` prefix, CPU tensors), the optimizer's, `epoch` (epochs done) and
+    (no `module.`/`_orig_mod.` prefix, CPU tensors), the optimizer's, `epoch` (epochs done), the
+    random generators' states (Python, NumPy, torch, CUDA: as gpuflow's worker keeps them) and
     `extra` tensors or plain values. Returns the path on rank 0, else None."""
     if not is_main():
         return None
-    payload = {"model": clean_state_dict(model_state(model)), "epoch": int(epoch), **extra}
+    payload = {"model": clean_state_dict(model_state(model)), "epoch": int(epoch), "rng": rng_state(), **extra}
     if optimizer is not None:
         payload["optimizer"] = to_cpu(optimizer.state_dict())
     return checkpoints().save(payload, int(epoch))
@@ -78,9 +80,11 @@ def checkpoints() -> CheckpointStore:
 
 
 def resume(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
-    """Load the newest checkpoint into `model` (and `optimizer`) on every rank; returns the
-    epochs it had done, so `range(resume(...), epochs)` continues after a torchrun restart
-    with the next epoch, never repeating the last one. 0 when there is none."""
+    """Load the newest checkpoint into `model` (and `optimizer`) on every rank and restore the
+    random generators as rank 0 saved them (dropout and random augmentation continue the
+    same streams); returns the epochs it had done, so `range(resume(...), epochs)` continues
+    after a torchrun restart with the next epoch, never repeating the last one. 0 when there
+    is none."""
     path = checkpoints().latest()
     if path is None:
         return 0
@@ -88,6 +92,8 @@ def resume(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> 
     unwrap(model).load_state_dict(payload["model"], strict=True)
     if optimizer is not None and "optimizer" in payload:
         optimizer.load_state_dict(payload["optimizer"])
+    if "rng" in payload:
+        set_rng_state(payload["rng"])
     print(f"[rank {os.environ.get('RANK', '0')}] resumed from {path} (epoch {payload['epoch']})", flush=True)
     return int(payload["epoch"])
 
