@@ -52,7 +52,7 @@ def pipeline(tmp: Path, a, api_url: str | None, epochs: int | None = None) -> tu
              "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180"}
     if api_url:
         extra["PREFECT_API_URL"] = api_url
-    wall, out = run([PY, "-m", "gpuflow.flows.cli", "run", *job_args(a, epochs), "--runs-dir", str(tmp / "runs"),
+    wall, out = run([PY, "-m", "gpuflow.flows", "run", *job_args(a, epochs), "--runs-dir", str(tmp / "runs"),
                      "--tracking-uri", f"sqlite:///{tmp / 'mlflow.db'}"], cwd=tmp, **extra)
     return wall, last_json(out)["timings"]
 

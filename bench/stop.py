@@ -30,7 +30,7 @@ HOW = {"ctrl-c (SIGINT to the group)": (signal.SIGINT, True), "SIGTERM to the fl
 
 def one(base: Path, sig: int, group: bool) -> dict:
     db = base / "mlflow.db"
-    cmd = [PY, "-m", "gpuflow.flows.cli", "run", "--dataset", "synthetic", "--synthetic-size", "60000",
+    cmd = [PY, "-m", "gpuflow.flows", "run", "--dataset", "synthetic", "--synthetic-size", "60000",
            "--epochs", "50", "--gpus", "cpu", "--tracking-uri", f"sqlite:///{db}", "--runs-dir", str(base / "runs")]
     e = env(PREFECT_HOME=str(base / "ph"))
     e.pop("PREFECT_API_URL", None)

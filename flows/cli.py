@@ -15,6 +15,7 @@ deployments (`prefect deployment run 'train-pipeline/ddp' -p epochs=3`).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -224,30 +225,36 @@ def print_report(report) -> None:
         con.print(f"[yellow]warning:[/] {w}")
 
 
-def run(values: dict) -> dict:
-    from .train import train_pipeline
-
-    out = train_pipeline(**values)
-    return {k: out.get(k) for k in ("run_id", "status", "model_version", "epochs_run", "world_size",
-                                    "final_metrics", "checkpoint", "restarts", "resumed_from", "timings")}
+RUN_RESULT = ("run_id", "status", "model_version", "epochs_run", "world_size", "final_metrics", "checkpoint",
+              "restarts", "resumed_from", "timings")
 
 
-def run_script(values: dict) -> dict:
-    from .script import train_script
+def load(command: str, model: type[BaseModel]) -> typing.Callable[[dict], dict]:
+    """The command's job, its flow module (and with it MLflow) imported."""
+    if model is ScriptParams:
+        from .script import train_script
 
-    return train_script(**values)
+        return lambda values: train_script(**values)
+    if command == "run":
+        from .train import train_pipeline
 
+        return lambda values: {k: v for k, v in train_pipeline(**values).items() if k in RUN_RESULT}
+    if command == "evaluate":
+        from .infer import evaluate_model
 
-def evaluate(values: dict) -> dict:
-    from .infer import evaluate_model
-
-    return evaluate_model(**values)
-
-
-def infer(values: dict) -> dict:
+        return lambda values: evaluate_model(**values)
     from .infer import predict
 
-    return predict(InferParams(**values))
+    return lambda values: predict(InferParams(**values))
+
+
+def imports_done() -> None:
+    """Started as `gpuflow` (flows/__main__.py), the imports ran with the cyclic collector paused:
+    freeze what they built, so that no later collection scans it, and collect as usual from
+    here. A caller that imports this module keeps its collector as it is."""
+    if not gc.isenabled():
+        gc.freeze()
+        gc.enable()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -262,18 +269,18 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         checked = model(**values)  # refuse bad values before Prefect or torch start
         if command in SERVICES:
+            imports_done()
             return run_service(command, checked)
         # Prefect ends the flow run on SIGTERM, then calls this handler: a normal exit (143)
         exit_on_sigterm()
+        job = load(command, model)
+        imports_done()
         if command == "infer":  # no flow: nothing to record in Prefect
-            out = infer(values)
+            out = job(values)
         else:
             report_user_errors_once()
             with prefect_api():
-                if model is ScriptParams:
-                    out = run_script(values)
-                else:
-                    out = {"run": run, "evaluate": evaluate}[command](values)
+                out = job(values)
     except (UserError, ValidationError) as e:
         print(f"gpuflow {command}: {one_line(e)}", file=sys.stderr)
         return 2
@@ -288,19 +295,5 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def entry() -> int:
-    """The `gpuflow` console script: `main`, then an exit that skips the final collection.
-
-    With Prefect, MLflow and SQLAlchemy imported, the collection at interpreter shutdown
-    took ~1 s after every command (bench/NOTES.md). Frozen objects are not scanned; atexit
-    handlers (Prefect's log and event flushes) still run as usual.
-    """
-    import gc
-
-    code = main()
-    gc.freeze()
-    return code
-
-
-if __name__ == "__main__":
-    sys.exit(entry())
+if __name__ == "__main__":  # `gpuflow` and `python -m gpuflow.flows` start faster (flows/__main__.py)
+    sys.exit(main())

@@ -76,7 +76,7 @@ def test_gpuflow_evaluate_and_infer_use_the_champion_on_the_named_device(retrain
     base, store, first, _ = retrained
     env = dict(os.environ, MLFLOW_TRACKING_URI=store["tracking_uri"], PREFECT_HOME=str(tmp_path / "ph"))
     env.pop("PREFECT_API_URL", None)
-    gpuflow = [sys.executable, "-m", "gpuflow.flows.cli"]
+    gpuflow = [sys.executable, "-m", "gpuflow.flows"]
     val = load_data(TrainConfig(**{k: v for k, v in QUICK.items() if k in TrainConfig.model_fields})).val
     torch.save({"inputs": val.x[:5]}, tmp_path / "x.pt")
     proc = subprocess.run([*gpuflow, "infer", "--inputs", str(tmp_path / "x.pt"), "--gpus", "cpu",

@@ -262,7 +262,7 @@ def test_report_is_json_serialisable():
 
 
 def test_gpuflow_probe_command_prints_json_and_a_table():
-    gpuflow = [sys.executable, "-m", "gpuflow.flows.cli"]
+    gpuflow = [sys.executable, "-m", "gpuflow.flows"]
     out = subprocess.run([*gpuflow, "probe", "--json"], cwd=ROOT, capture_output=True, text=True,
                          check=True).stdout
     report = EnvironmentReport.model_validate_json(out)
@@ -272,7 +272,7 @@ def test_gpuflow_probe_command_prints_json_and_a_table():
 
 
 def test_gpuflow_run_refuses_bad_values_before_starting_anything():
-    proc = subprocess.run([sys.executable, "-m", "gpuflow.flows.cli", "run", "--gpus", "1,1"], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "gpuflow.flows", "run", "--gpus", "1,1"], cwd=ROOT,
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "names GPU 1 twice" in proc.stderr
     assert "Starting temporary server" not in proc.stderr + proc.stdout

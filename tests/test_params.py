@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import os
 import subprocess
 import sys
 
@@ -41,7 +42,7 @@ def test_the_flow_validates_its_parameters_with_the_declaration(prefect_api):
 
 
 def test_every_run_option_is_a_declared_field_with_its_default_in_help():
-    out = subprocess.run([sys.executable, "-m", "gpuflow.flows.cli", "run", "--help"], cwd=ROOT,
+    out = subprocess.run([sys.executable, "-m", "gpuflow.flows", "run", "--help"], cwd=ROOT,
                          capture_output=True, text=True, check=True).stdout
     for name in user_fields(PipelineParams):
         assert "--" + name.replace("_", "-") in out, name
@@ -96,3 +97,21 @@ def test_bad_values_are_one_line_naming_the_value():
     line = cli.one_line(e.value)
     assert "\n" not in line and "epochs=0: Input should be greater than or equal to 1" in line
     assert "gpus='two': gpus='two' is not understood" in line
+
+
+@pytest.mark.parametrize("argv", [["ui"], ["run", "--epochs", "1"]])
+def test_gpuflow_imports_without_collection_then_collects_during_the_command(argv):
+    """`gpuflow` (flows/__main__.py) pauses the cyclic collector for its imports only: a job
+    or a long-lived service (serve, ui) runs with it on, the imports' objects frozen."""
+    state = "print('collector', gc.isenabled(), gc.get_freeze_count() > 10**5)"
+    code = ("import gc, sys\n"
+            "from gpuflow.flows import __main__ as gpuflow, cli\n"
+            f"cli.run_service = lambda command, settings: {state} or 0\n"
+            f"cli.load = lambda command, model: lambda values: {state} or {{}}\n"
+            f"sys.argv = ['gpuflow', *{argv!r}]\n"
+            "sys.exit(gpuflow.entry())\n")
+    env = {**os.environ, "PREFECT_API_URL": "http://127.0.0.1:9/api"}  # set, so no temporary API starts
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "collector True True" in out.stdout, out.stdout[-2000:]

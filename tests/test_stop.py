@@ -28,7 +28,7 @@ HANG_GUARD_S = 120  # a stop that takes longer is a hang; the goal (15 s) is che
 def start_pipeline(base: Path) -> tuple[subprocess.Popen, Path]:
     """`gpuflow run` on its defaults (temporary Prefect API), long enough to be stopped mid-way."""
     db = base / "mlflow.db"
-    cmd = [sys.executable, "-m", "gpuflow.flows.cli", "run", "--dataset", "synthetic", "--synthetic-size", "60000",
+    cmd = [sys.executable, "-m", "gpuflow.flows", "run", "--dataset", "synthetic", "--synthetic-size", "60000",
            "--epochs", "50", "--gpus", "cpu", "--tracking-uri", f"sqlite:///{db}", "--runs-dir", str(base / "runs")]
     env = child_env(PREFECT_HOME=str(base / "ph"))
     env.pop("PREFECT_API_URL", None)
