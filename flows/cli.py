@@ -238,7 +238,11 @@ def load(command: str, model: type[BaseModel]) -> typing.Callable[[dict], dict]:
     if command == "run":
         from .train import train_pipeline
 
-        return lambda values: {k: v for k, v in train_pipeline(**values).items() if k in RUN_RESULT}
+        def run(values: dict) -> dict:
+            out = train_pipeline(**values)
+            return {k: out.get(k) for k in RUN_RESULT}
+
+        return run
     if command == "evaluate":
         from .infer import evaluate_model
 
