@@ -35,8 +35,14 @@ def _device(device: str) -> torch.device:
     return torch.device("cuda", 0) if use_cuda else torch.device("cpu")
 
 
+def _from_script(payload: dict) -> bool:
+    """A checkpoint the train-script flow wrote for a script's declared model: its class
+    reference and arguments (`model_spec`), no training config."""
+    return "model_spec" in payload and "config" not in payload
+
+
 def _config(payload: dict, checkpoint: str, **overrides) -> TrainConfig:
-    if "model_spec" in payload and "config" not in payload:
+    if _from_script(payload):
         raise CheckpointError(f"checkpoint {checkpoint!r} comes from your own script (the train-script flow), "
                               "which names no dataset to evaluate on; use `gpuflow infer` on it")
     if "config" not in payload or "model" not in payload:
@@ -90,7 +96,7 @@ def predict(checkpoint: str, inputs: str, device: str = "auto", batch_size: int 
         raise UserError(f"inputs file {inputs!r} must be a .pt file holding {{'inputs': tensor}} "
                         "(N samples of the model's input shape), saved with torch.save")
     dev = _device(device)
-    if "model_spec" in payload and "config" not in payload:  # a script's declared model: its raw outputs
+    if _from_script(payload):  # the declared model's raw outputs
         spec = payload["model_spec"]
         model = build_model(spec["reference"], None, None, spec["kwargs"], payload.get("code_root"))
         load_model_state(model, payload["model"], source=f"checkpoint {checkpoint!r}")
