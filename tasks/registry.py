@@ -22,6 +22,32 @@ class EvaluationFailed(RuntimeError):
     """The evaluation child failed; the message carries its last lines of output."""
 
 
+class EvaluationRefused(UserError):
+    """The evaluation child refused its input (checkpoint, inputs file, dataset); its one-line message."""
+
+
+class ModelNotFound(UserError):
+    """No registered model of that name in the tracking store."""
+
+
+def check_model_exists(name: str) -> None:
+    """Refuse a registered-model name the store does not hold, naming those it does."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    client = mlflow.MlflowClient()
+    try:
+        client.get_registered_model(name)
+        return
+    except MlflowException as e:
+        if e.error_code != "RESOURCE_DOES_NOT_EXIST":
+            raise
+    names = [m.name for m in client.search_registered_models(max_results=20)]
+    there = f"the models there: {', '.join(names)}" if names else "it holds no registered model yet (train one first)"
+    raise ModelNotFound(f"registered model {name!r} does not exist in {mlflow.get_tracking_uri()}; {there}; "
+                        "pass --registered-model NAME")
+
+
 def champion_version(name: str) -> str | None:
     """The version holding the `champion` alias, or None (no model / no alias yet)."""
     import mlflow
@@ -35,6 +61,7 @@ def champion_version(name: str) -> str | None:
 
 def resolve_version(name: str, version: str) -> str:
     """A version number, or the one the `champion` alias points at."""
+    check_model_exists(name)
     if version != CHAMPION:
         return version
     found = champion_version(name)
@@ -72,9 +99,12 @@ def run_on_device(checkpoint: Path, plan: DevicePlan, log, *args: str, hold_fds:
         cmd = [sys.executable, "-m", "gpuflow.training.evaluate", "--checkpoint", str(checkpoint),
                "--device", plan.device, "--result", str(out), *args]
         code, tail, _ = run_child(cmd, child_environment(plan), Path.cwd(), log, hold_fds)
-        if code != 0 or not out.is_file():
+        report = json.loads(out.read_text()) if out.is_file() else None
+        if code == 2 and report and "error" in report:
+            raise EvaluationRefused(report["error"])
+        if code != 0 or report is None:
             raise EvaluationFailed(f"evaluation of {checkpoint} failed (exit {code}):\n" + "\n".join(tail[-10:]))
-        return json.loads(out.read_text())
+        return report
 
 
 @task(name="evaluate-checkpoint", cache_policy=NO_CACHE)

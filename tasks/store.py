@@ -15,6 +15,8 @@ from pathlib import Path
 import mlflow
 from mlflow.tracking import MlflowClient
 
+from gpuflow.training.errors import UserError
+
 FLOW_RUN_TAG = "prefect.flow_run_id"  # on every run: finds a flow run's MLflow run
 
 
@@ -29,6 +31,22 @@ def absolute_uri(uri: str) -> str:
     if uri.startswith(prefix) and not uri[len(prefix):].startswith("/") and uri[len(prefix):] != ":memory:":
         return prefix + str(Path(uri[len(prefix):]).resolve())
     return uri
+
+
+def sqlite_path(uri: str) -> Path | None:
+    """The database file of a sqlite:/// URI; None for other stores (and in-memory SQLite)."""
+    prefix = "sqlite:///"
+    if not uri.startswith(prefix) or uri[len(prefix):] in ("", ":memory:"):
+        return None
+    return Path(uri[len(prefix):])
+
+
+def require_store(uri: str) -> None:
+    """Refuse to read from a SQLite store that does not exist, before anything creates its file."""
+    path = sqlite_path(uri)
+    if path is not None and not path.is_file():
+        raise UserError(f"no MLflow store at {str(path)!r}: nothing has been trained here; run `gpuflow run` in this "
+                        "folder first, set MLFLOW_TRACKING_URI (or --tracking-uri) to your store, or pass --checkpoint FILE")
 
 
 def prepare_store(uri: str) -> MlflowClient:

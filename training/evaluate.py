@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import pickle
 import sys
 
 import torch
@@ -57,6 +58,33 @@ def _model(cfg: TrainConfig, payload: dict, checkpoint: str, num_classes: int, i
     return model.to(dev).eval()
 
 
+def _check_shape(x: torch.Tensor, expected, what: str, fix: str) -> None:
+    """Refuse samples whose shape is not the one the model was trained on (when the checkpoint says it)."""
+    if expected is not None and list(x.shape[1:]) != list(expected):
+        raise UserError(f"{what} has samples of shape {tuple(x.shape[1:])}, but the model takes "
+                        f"{tuple(expected)} (N x {' x '.join(map(str, expected))}); {fix}")
+
+
+def load_inputs(path: str) -> torch.Tensor:
+    """The `inputs` tensor of a .pt file saved as {'inputs': tensor}, loaded with weights_only=True."""
+    save_as = f"save it with torch.save({{'inputs': x}}, {path!r}), x holding N samples of the model's input shape"
+    if not path.endswith(".pt"):
+        raise UserError(f"inputs file {path!r} is not a .pt file; {save_as}")
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"inputs file {path!r} cannot be read as tensors ({first[:200]}); {save_as}") from None
+    if isinstance(obj, torch.Tensor):
+        raise UserError(f"inputs file {path!r} holds a bare tensor of shape {tuple(obj.shape)}, not "
+                        f"{{'inputs': tensor}}; {save_as}")
+    x = obj.get("inputs") if isinstance(obj, dict) else None
+    if not isinstance(x, torch.Tensor):
+        got = f"a dict with keys {sorted(map(str, obj))[:8]}" if isinstance(obj, dict) else f"a {type(obj).__name__}"
+        raise UserError(f"inputs file {path!r} holds {got}, not {{'inputs': tensor}}; {save_as}")
+    return x
+
+
 def _where(dev: torch.device) -> dict:
     return {"device": str(dev), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "device_name": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu"}
@@ -67,6 +95,9 @@ def evaluate(checkpoint: str, split: str = "val", device: str = "auto", batch_si
     payload = load_file(checkpoint)
     cfg = _config(payload, checkpoint, **overrides)
     bundle = load_data(cfg, fingerprint=False)
+    if payload.get("input_shape") is not None and bundle.input_shape is not None:
+        _check_shape(torch.empty(0, *bundle.input_shape), payload["input_shape"], f"dataset {cfg.dataset!r}",
+                     "evaluate on a dataset like the one the model was trained on")
     dev = _device(device)
     use_cuda = dev.type == "cuda"
     model = _model(cfg, payload, checkpoint, bundle.num_classes or payload.get("num_classes"),
@@ -91,16 +122,14 @@ def evaluate(checkpoint: str, split: str = "val", device: str = "auto", batch_si
 def predict(checkpoint: str, inputs: str, device: str = "auto", batch_size: int = 512) -> dict:
     """Class and probabilities for each sample of a tensor file (N x input shape)."""
     payload = load_file(checkpoint)
-    x = load_file(inputs).get("inputs") if inputs.endswith(".pt") else None
-    if not isinstance(x, torch.Tensor):
-        raise UserError(f"inputs file {inputs!r} must be a .pt file holding {{'inputs': tensor}} "
-                        "(N samples of the model's input shape), saved with torch.save")
+    x = load_inputs(inputs)
+    _check_shape(x, payload.get("input_shape"), f"inputs file {inputs!r}", "reshape the inputs to match")
     dev = _device(device)
     if _from_script(payload):  # the declared model's raw outputs
         spec = payload["model_spec"]
         model = build_model(spec["reference"], None, None, spec["kwargs"], payload.get("code_root"))
         load_model_state(model, payload["model"], source=f"checkpoint {checkpoint!r}")
-        out = _outputs(model.to(dev).eval(), x, dev, batch_size)
+        out = _outputs(model.to(dev).eval(), x, dev, batch_size, inputs)
         return {"outputs": out.tolist(), "samples": len(x), "model": spec["reference"], **_where(dev)}
     cfg = _config(payload, checkpoint)
     if "num_classes" not in payload:
@@ -108,7 +137,7 @@ def predict(checkpoint: str, inputs: str, device: str = "auto", batch_size: int 
                               "an older gpuflow); evaluate it on a dataset instead, or retrain")
     num_classes = payload["num_classes"]
     model = _model(cfg, payload, checkpoint, num_classes, payload.get("input_shape") or list(x.shape[1:]), dev)
-    out = _outputs(model, x, dev, batch_size)
+    out = _outputs(model, x, dev, batch_size, inputs)
     where = {"samples": len(x), "model": cfg.model, **_where(dev)}
     if cfg.objective != "classification":  # the model's outputs as they are
         return {"outputs": out.tolist(), **where}
@@ -116,8 +145,15 @@ def predict(checkpoint: str, inputs: str, device: str = "auto", batch_size: int 
     return {"predictions": probs.argmax(1).tolist(), "probabilities": probs.tolist(), **where}
 
 
-def _outputs(model, x: torch.Tensor, dev: torch.device, batch_size: int) -> torch.Tensor:
-    return torch.cat([model(b.to(dev).float()).float().cpu() for b in x.split(batch_size)])
+def _outputs(model, x: torch.Tensor, dev: torch.device, batch_size: int, path: str) -> torch.Tensor:
+    try:
+        return torch.cat([model(b.to(dev).float()).float().cpu() for b in x.split(batch_size)])
+    except torch.OutOfMemoryError:
+        raise
+    except RuntimeError as e:  # shapes the checkpoint could not name: the model's own words
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"the model cannot take the samples of inputs file {path!r} (shape {tuple(x.shape[1:])} "
+                        f"each): {first[:300]}; reshape the inputs to the model's input shape") from None
 
 
 def _concat(a, b):
@@ -141,8 +177,10 @@ def main(argv=None) -> int:
         hold_card_locks()  # before the card is touched: no new run gets it until this process is gone
         res = (predict(a.checkpoint, a.inputs, a.device) if a.inputs else
                evaluate(a.checkpoint, a.split, a.device, dataset=a.dataset, data_root=a.data_root))
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except UserError as e:  # the result file carries it to the parent, which prints it once
+        write_json_atomic(a.result, {"error": str(e)})
+        if sys.stderr.isatty():
+            print(f"error: {e}", file=sys.stderr)
         return 2
     write_json_atomic(a.result, res)
     return 0
