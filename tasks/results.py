@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import mlflow
@@ -48,6 +49,20 @@ def model_code(spec: dict, code_root: str | None, folder: Path) -> tuple[str, li
     return spec["reference"], [str(where)]
 
 
+@contextmanager
+def failed_unless_ready(client, model_id: str):
+    """Whatever stops the block (an error, SIGTERM, Ctrl-C) before the logged model is READY
+    ends it FAILED: MLflow would otherwise show it PENDING forever."""
+    from mlflow.entities import LoggedModelStatus
+
+    try:
+        yield
+    except BaseException:
+        if client.get_logged_model(model_id).status != LoggedModelStatus.READY:
+            client.finalize_logged_model(model_id, LoggedModelStatus.FAILED)
+        raise
+
+
 def register_model(run: TrackedRun, result: dict, registered_name: str, code_root: str | None,
                    description: str) -> str:
     """Log the trained weights as a pyfunc model from code (tasks/registered_model.py) with the
@@ -80,7 +95,7 @@ def register_model(run: TrackedRun, result: dict, registered_name: str, code_roo
     # the flow: ~5 s a run on the default job (bench/NOTES.md). So the same steps with public
     # calls, without that check; tests load each registered model and predict its example.
     model = run.client.create_logged_model(run.experiment_id, name="model", source_run_id=run.run_id)
-    with tempfile.TemporaryDirectory() as tmp:
+    with failed_unless_ready(run.client, model.model_id), tempfile.TemporaryDirectory() as tmp:
         reference, code_paths = model_code(result["model_spec"], code_root, Path(tmp))
         mlflow.pyfunc.save_model(
             Path(tmp) / "model", python_model=str(Path(__file__).with_name("registered_model.py")),
@@ -90,7 +105,7 @@ def register_model(run: TrackedRun, result: dict, registered_name: str, code_roo
             mlflow_model=Model(artifact_path=model.artifact_location, run_id=run.run_id, model_id=model.model_id,
                                model_uuid=model.model_id))
         run.client.log_model_artifacts(model.model_id, str(Path(tmp) / "model"))
-    run.client.finalize_logged_model(model.model_id, LoggedModelStatus.READY)
+        run.client.finalize_logged_model(model.model_id, LoggedModelStatus.READY)
     run.client.log_outputs(run.run_id, [LoggedModelOutput(model.model_id, step=0)])
     try:
         run.client.create_registered_model(registered_name)

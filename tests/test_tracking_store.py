@@ -184,3 +184,44 @@ def test_processes_creating_a_new_store_together_all_succeed(tmp_path, trial):
     assert [p.returncode for p in procs] == [0] * 4, "\n".join(e[-1500:] for e in errs)
     client = mlflow.MlflowClient(tracking_uri=uri)
     assert client.search_experiments()[0].name == "Default"
+
+
+REGISTERING = """
+import sys, time
+from pathlib import Path
+import mlflow
+from gpuflow.tasks import results, tracking
+from gpuflow.training.lifetime import exit_on_sigterm
+
+def saving(path, **kw):  # the slow step of registration, where the signal lands
+    print("registering", flush=True)
+    time.sleep(600)
+
+exit_on_sigterm()  # as the CLI does
+mlflow.pyfunc.save_model = saving
+weights = Path(sys.argv[2]) / "weights.pt"
+weights.parent.mkdir(parents=True, exist_ok=True)
+weights.write_bytes(b"")
+with tracking.tracked_run(sys.argv[1], "register", "r", {}, None, sys.argv[2], 60) as run:
+    results.register_model(run, {"model_spec": {"reference": "gpuflow.training.models:MLP", "kwargs": {}},
+                                 "weights": str(weights)}, "m", None, "a test")
+"""
+
+
+def test_a_sigterm_during_registration_ends_the_logged_model_failed_and_the_run_killed(tmp_path):
+    uri = _uri(tmp_path)
+    proc = subprocess.Popen([sys.executable, "-c", REGISTERING, uri, str(tmp_path / "runs")],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "registering"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(120) == 143
+    finally:
+        proc.kill()
+        proc.wait()
+    client = mlflow.MlflowClient(uri)
+    [run] = _runs(uri, "register")
+    models = client.search_logged_models([run.info.experiment_id])
+    assert [m.status.name for m in models] == ["FAILED"]
+    assert run.info.status == "KILLED"
+    assert client.search_registered_models() == []
