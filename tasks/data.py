@@ -84,16 +84,16 @@ def check_classes(dataset: str, classes: list[str] | None, num_samples: int) -> 
 
 
 def check_split(cfg: TrainConfig, num_samples: int, world_size: int = 1) -> None:
-    """Training needs a sample for each of the `world_size` processes, and validation one sample."""
+    """A built-in dataset split by val_fraction must leave every process a training and a
+    validation sample (training/datacache.py check_sizes, the rule user datasets follow too)."""
+    from gpuflow.training.datacache import check_sizes
+
     n_val = min(val_count(num_samples, cfg.val_fraction), num_samples)
     n_train = num_samples - n_val
-    if n_train >= world_size and n_val >= 1:
-        return
-    per_process = " (one per process)" if world_size > 1 else ""
-    raise DatasetError(
-        f"dataset {cfg.dataset!r} has {num_samples} samples; val_fraction {cfg.val_fraction} leaves {n_train} for "
-        f"training and {n_val} for validation, but training needs at least {world_size}{per_process} and "
-        f"validation 1: add data, lower val_fraction{', or run fewer processes' if world_size > 1 else ''}")
+    tune = "lower val_fraction" if n_train < world_size else "raise val_fraction"
+    more = "raise synthetic_size" if cfg.dataset == "synthetic" else "add data"
+    check_sizes(f"dataset {cfg.dataset!r} has {num_samples} samples; val_fraction {cfg.val_fraction} leaves {n_train} "
+                f"for training and {n_val} for validation", n_train, n_val, world_size, f"{more}, {tune}")
 
 
 @task(name="prepare-dataset", retry_delay_seconds=5, cache_policy=NO_CACHE)

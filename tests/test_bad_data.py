@@ -131,7 +131,52 @@ def test_preflight_refuses_fewer_training_samples_than_processes():
                        input_shape=[1, 28, 28], sha256="0" * 64)
     with pytest.raises(DatasetError, match=r"leaves 4 for training.*at least 8 \(one per process\).*fewer processes"):
         preflight.fn(cfg, opts, data, world_size=8)
-    preflight.fn(cfg, opts, data, world_size=4)  # one each: accepted
+    preflight.fn(cfg, opts, data.model_copy(update={"num_samples": 20}), world_size=4)  # one each: accepted
+
+
+def test_preflight_refuses_a_built_in_dataset_leaving_a_process_no_validation_sample():
+    cfg, opts = TrainConfig(dataset="synthetic", synthetic_size=3), PipelineParams()
+    data = describe_dataset(cfg)  # alone it is fine: 2 to train on, 1 to validate on
+    with pytest.raises(DatasetError, match=r"'synthetic' has 3 samples; val_fraction 0.2 leaves 2 for training and 1 "
+                                           r"for validation, but training and validation each need at least 2 "
+                                           r"\(one per process\): raise synthetic_size, raise val_fraction, or run fewer"):
+        preflight.fn(cfg, opts, data, world_size=2)
+
+
+USER_DATA = """
+import torch
+from torch.utils.data import TensorDataset
+
+def datasets(root):
+    x = torch.randn(8, 1, 28, 28)
+    return {"train": TensorDataset(x, torch.arange(8) % 10), "val": TensorDataset(x[:1], torch.zeros(1).long()),
+            "num_classes": 10}
+"""
+
+
+def test_preflight_refuses_a_user_dataset_leaving_a_process_no_validation_sample(tmp_path):
+    from gpuflow.training.preflight import check_user_code
+
+    (tmp_path / "onevalproj.py").write_text(USER_DATA)
+    cfg = TrainConfig(dataset="onevalproj:datasets", code_root=str(tmp_path))
+    with pytest.raises(DatasetError, match=r"'onevalproj:datasets' has 8 training and 1 validation samples, but "
+                                           r"training and validation each need at least 2 \(one per process\)"):
+        check_user_code(cfg, world_size=2)
+    assert check_user_code(cfg, world_size=1)["num_classes"] == 10
+
+
+def test_gpuflow_run_on_too_small_a_built_in_dataset_is_one_line_exit_2_before_any_worker(tmp_path, prefect_api):
+    from prefect.settings import PREFECT_API_URL
+
+    env = child_env(MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mlflow.db'}", PREFECT_API_URL=PREFECT_API_URL.value())
+    proc = subprocess.run([str(BIN / "gpuflow"), "run", "--dataset", "synthetic", "--synthetic-size", "3", "--epochs",
+                           "1", "--gpus", "cpu", "--cpu-processes", "2", "--runs-dir", str(tmp_path / "runs")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("gpuflow run:")]
+    assert len(lines) == 1 and "at least 2 (one per process)" in lines[0], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "KeyError" not in proc.stderr and "[rank" not in proc.stderr
+    assert not (tmp_path / "runs").exists()
 
 
 # --- a full disk --------------------------------------------------------------------

@@ -66,6 +66,18 @@ def source_signature(dataset: str, data_root: str) -> dict | None:
     return None
 
 
+def check_sizes(counts: str, n_train: int, n_val: int, world_size: int, fix: str) -> None:
+    """Each process trains on a shard of the training set and validates on a shard of the
+    validation set: refuse, before any starts, a dataset leaving one of them an empty shard.
+    `counts` says what the dataset holds, `fix` what the user can do; every dataset, built-in
+    or the user's, goes through this one rule."""
+    if n_train >= world_size and n_val >= world_size:
+        return
+    each = f"{world_size} (one per process)" if world_size > 1 else "1"
+    fewer = ", or run fewer processes" if world_size > 1 else ""
+    raise DatasetError(f"{counts}, but training and validation each need at least {each}: {fix}{fewer}")
+
+
 def synthetic_description(size: int, side: int) -> dict:
     """The synthetic set without generating it: it is defined by its size, side and generator
     (training/data.py `_synthetic`, seeded), so its fingerprint is that definition's hash."""

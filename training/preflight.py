@@ -14,6 +14,7 @@ from torch.utils.data import default_collate
 from .builder import make_model
 from .config import TrainConfig
 from .data import load_data
+from .datacache import check_sizes
 from .errors import DatasetError, UserError
 from .objective import Classification, call_model, load_objective, shapes, split_batch
 from .refs import describe_error
@@ -23,9 +24,8 @@ from .refs import describe_error
 def check_user_code(cfg: TrainConfig, world_size: int = 1) -> dict:
     """{"num_classes": the classes (the data's, else the model's output size), "output_shape"}."""
     bundle = load_data(cfg, fingerprint=False)
-    if len(bundle.train) < world_size:
-        raise DatasetError(f"dataset {cfg.dataset!r} has {len(bundle.train)} training samples, fewer than the "
-                           f"{world_size} processes; add data or run fewer processes")
+    check_sizes(f"dataset {cfg.dataset!r} has {len(bundle.train)} training and {len(bundle.val)} validation samples",
+                len(bundle.train), len(bundle.val), world_size, "add samples to the sets your dataset returns")
     model, _ = make_model(cfg.model, bundle.num_classes, bundle.input_shape, cfg.model_args, cfg.code_root)
     objective = load_objective(cfg.objective, cfg.code_root)
     try:
