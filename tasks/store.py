@@ -9,7 +9,7 @@ import json
 import os
 import sqlite3
 import subprocess
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from pathlib import Path
 
 import mlflow
@@ -67,6 +67,21 @@ def prepare_store(uri: str) -> MlflowClient:
         with sqlite3.connect(db_path, timeout=30) as db:
             db.execute("PRAGMA journal_mode=WAL")
     return client
+
+
+def checkpoint_wal(uri: str, busy_timeout_s: float = 2.0) -> bool:
+    """Move a SQLite store's write-ahead log into its file, so that the file alone holds every
+    run (a copy, a backup, a colleague's UI). Nothing for other stores; when another process
+    holds the log busy it is left for a later checkpoint. Returns whether the log was emptied."""
+    path = sqlite_path(uri)
+    if path is None or not path.is_file():
+        return False
+    try:
+        with closing(sqlite3.connect(path, timeout=busy_timeout_s)) as db:
+            busy, _, _ = db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+    except sqlite3.Error:  # locked or unreadable: the data is safe in the log either way
+        return False
+    return busy == 0
 
 
 @contextmanager

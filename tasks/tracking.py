@@ -27,7 +27,7 @@ from mlflow.tracking import MlflowClient
 from gpuflow.training.metrics import parse_line
 
 from .orphans import owner_tags, reap_orphaned_runs
-from .store import end_run, ensure_experiment, flat_params, prepare_store
+from .store import checkpoint_wal, end_run, ensure_experiment, flat_params, prepare_store
 
 
 def status_for(exc: BaseException | None) -> str:
@@ -173,6 +173,7 @@ def tracked_run(uri: str, experiment: str, run_name: str, tags: dict, dataset: d
         raise
     finally:
         end_run(client, run.info.run_id, status, error)
+        checkpoint_wal(uri)  # the store's file alone now shows this run
 
 
 def log_dataset(ds: dict, attempts: int = 5) -> None:

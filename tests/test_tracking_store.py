@@ -225,3 +225,38 @@ def test_a_sigterm_during_registration_ends_the_logged_model_failed_and_the_run_
     assert [m.status.name for m in models] == ["FAILED"]
     assert run.info.status == "KILLED"
     assert client.search_registered_models() == []
+
+
+def _copy_alone(db, dest):
+    """The store's file copied without its -wal and -shm, as a backup or a colleague gets it."""
+    import shutil
+
+    dest.mkdir()
+    shutil.copyfile(db, dest / "mlflow.db")
+    return f"sqlite:///{dest / 'mlflow.db'}"
+
+
+def test_the_store_file_alone_shows_a_run_once_it_ends(tmp_path):
+    uri = _uri(tmp_path)
+    with tracking.tracked_run(uri, "wal", "ended", {}, DATASET, tmp_path / "runs", 60) as run:
+        run.log_metrics({"accuracy": 0.5})
+    copy = _copy_alone(tmp_path / "mlflow.db", tmp_path / "copy")
+    [found] = _runs(copy, "wal")
+    assert (found.info.run_id, found.info.status, found.data.metrics) == (run.run_id, "FINISHED", {"accuracy": 0.5})
+
+
+def test_checkpointing_the_log_is_harmless_for_other_stores_and_while_a_writer_holds_it(tmp_path):
+    import sqlite3
+
+    assert store.checkpoint_wal("postgresql://nowhere/db") is False
+    assert store.checkpoint_wal(_uri(tmp_path / "absent")) is False and not (tmp_path / "absent").exists()
+    uri = _uri(tmp_path)
+    store.prepare_store(uri)
+    writer = sqlite3.connect(tmp_path / "mlflow.db")
+    try:
+        writer.execute("BEGIN EXCLUSIVE")  # another process mid-write
+        assert store.checkpoint_wal(uri, busy_timeout_s=0.1) is False
+    finally:
+        writer.rollback()
+        writer.close()
+    assert store.checkpoint_wal(uri) is True

@@ -3,8 +3,10 @@ output, run names and sources, grouped timings, a described registered version, 
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -117,6 +119,16 @@ def test_default_output_is_progress_and_result_only(default_run):
                   "Successfully registered", "system_metrics", "Creating initial MLflow database"):
         assert noise not in out.stderr, (noise, out.stderr)
     assert "epoch 1/1" in out.stderr and '"status": "FINISHED"' in out.stdout
+
+
+def test_the_store_file_alone_holds_the_finished_run_and_its_model_version(default_run, tmp_path):
+    out, client = default_run
+    run_id = json.loads(out.stdout)["run_id"]
+    db = Path(client.tracking_uri.removeprefix("sqlite:///"))
+    shutil.copyfile(db, tmp_path / "mlflow.db")  # without -wal and -shm, as a backup or a colleague gets it
+    copy = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert copy.get_run(run_id).info.status == "FINISHED"
+    assert [v.run_id for v in copy.search_model_versions("name='gpuflow-model'")] == [run_id]
 
 
 def test_runs_are_named_apart_with_the_command_as_source_and_timings_grouped(default_run):
