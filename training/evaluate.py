@@ -58,10 +58,10 @@ def _model(cfg: TrainConfig, payload: dict, checkpoint: str, num_classes: int, i
     return model.to(dev).eval()
 
 
-def _check_shape(x: torch.Tensor, expected, what: str, fix: str) -> None:
+def _check_shape(shape, expected, what: str, fix: str) -> None:
     """Refuse samples whose shape is not the one the model was trained on (when the checkpoint says it)."""
-    if expected is not None and list(x.shape[1:]) != list(expected):
-        raise UserError(f"{what} has samples of shape {tuple(x.shape[1:])}, but the model takes "
+    if expected is not None and list(shape) != list(expected):
+        raise UserError(f"{what} has samples of shape {tuple(shape)}, but the model takes "
                         f"{tuple(expected)} (N x {' x '.join(map(str, expected))}); {fix}")
 
 
@@ -95,8 +95,8 @@ def evaluate(checkpoint: str, split: str = "val", device: str = "auto", batch_si
     payload = load_file(checkpoint)
     cfg = _config(payload, checkpoint, **overrides)
     bundle = load_data(cfg, fingerprint=False)
-    if payload.get("input_shape") is not None and bundle.input_shape is not None:
-        _check_shape(torch.empty(0, *bundle.input_shape), payload["input_shape"], f"dataset {cfg.dataset!r}",
+    if bundle.input_shape is not None:
+        _check_shape(bundle.input_shape, payload.get("input_shape"), f"dataset {cfg.dataset!r}",
                      "evaluate on a dataset like the one the model was trained on")
     dev = _device(device)
     use_cuda = dev.type == "cuda"
@@ -123,7 +123,7 @@ def predict(checkpoint: str, inputs: str, device: str = "auto", batch_size: int 
     """Class and probabilities for each sample of a tensor file (N x input shape)."""
     payload = load_file(checkpoint)
     x = load_inputs(inputs)
-    _check_shape(x, payload.get("input_shape"), f"inputs file {inputs!r}", "reshape the inputs to match")
+    _check_shape(x.shape[1:], payload.get("input_shape"), f"inputs file {inputs!r}", "reshape the inputs to match")
     dev = _device(device)
     if _from_script(payload):  # the declared model's raw outputs
         spec = payload["model_spec"]
