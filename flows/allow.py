@@ -1,21 +1,34 @@
 """What a run of a served deployment may name: the operator's allowlist.
 
-Whoever can create a flow run can pass any parameter. A reference imports code, and a path
-parameter reads or writes files, so in a deployment run (not a local `gpuflow run`, where
-the user runs their own code) only packages the operator allowed (`gpuflow serve
---allow-code myproj`, matched by whole top-level name: `myproj` never admits `myproj_evil`)
-and paths inside the allowed folders (`--allow-paths`, default: serve's folder) pass. The
-flows check it themselves, since a deployment run never passes through the CLI.
+Whoever can create a flow run can pass any parameter. A reference imports and calls code, and
+a path parameter reads or writes files, so in a deployment run (not a local `gpuflow run`,
+where the user runs their own code) only this passes:
+
+- a reference to a class or function *defined* in a package the operator allowed (`gpuflow
+  serve --allow-code myproj`, matched by whole top-level name: `myproj` never admits
+  `myproj_evil`), named by one name or as `Class.method`: `myproj.nets:Net` passes,
+  `myproj.nets:nn.functional.torch.os.system` (a path through what `nets` imported) and
+  `myproj.nets:torch` (a module) do not;
+- a file reference to a project file inside the allowed folders (`--allow-paths`, default:
+  serve's folder), never an installed library's file, naming what that file itself defines;
+- paths and `collect` patterns whose real paths (links followed) lie inside those folders.
+
+References are checked as what they resolve to (training/refs.py `resolve_defined`), without
+calling anything. The flows check it themselves, first, since a deployment run never passes
+through the CLI.
 """
 
 from __future__ import annotations
 
+import site
+import sys
+import sysconfig
 from pathlib import Path
 
 from prefect.runtime import deployment
 
 from gpuflow.training.errors import UserError
-from gpuflow.training.refs import is_file_reference, is_reference, split, top_package
+from gpuflow.training.refs import CodeReferenceError, is_file_reference, is_reference, resolve_defined, split, top_package
 
 from .settings import Settings
 
@@ -36,14 +49,8 @@ def check_allowed(params, settings: Settings | None = None) -> None:
     shown = ", ".join(map(str, folders))
     for name in REFERENCES:
         value = getattr(params, name, None)
-        if not is_reference(value):
-            continue
-        if is_file_reference(value):
-            _inside(name, value, Path(split(value)[0]), folders, shown)
-        elif top_package(value) not in packages:
-            raise NotAllowed(f"{name}={value!r}: package {top_package(value)!r} is not allowed in this served "
-                             f"deployment (allowed: {', '.join(sorted(packages)) or 'none'}); the operator "
-                             f"allows it with `gpuflow serve --allow-code {top_package(value)}`")
+        if is_reference(value):
+            _check_reference(name, value, packages, folders, shown)
     dataset = getattr(params, "dataset", None) or ""
     if dataset.startswith("imagefolder:"):
         _inside("dataset", dataset, Path(dataset.split(":", 1)[1]), folders, shown)
@@ -55,9 +62,45 @@ def check_allowed(params, settings: Settings | None = None) -> None:
         _inside("collect", pattern, Path(pattern), folders, shown)
 
 
-def _inside(name: str, value: str, path: Path, folders: list[Path], shown: str) -> None:
+def _check_reference(name: str, value: str, packages: set[str], folders: list[Path], shown: str) -> None:
+    """The reference's module is allowed, and what it names is the allowed code's own class or function."""
+    if is_file_reference(value):
+        path = _inside(name, value, Path(split(value)[0]), folders, shown)
+        if _is_library_file(path):
+            raise NotAllowed(f"{name}={value!r} is a file of installed Python code ({path}); a served run's file "
+                             "reference names a file of your project")
+        defined_in = None  # the file's own module (resolve_defined)
+    else:
+        top = top_package(value)
+        if top not in packages:  # refused before anything is imported
+            raise NotAllowed(f"{name}={value!r}: package {top!r} is not allowed in this served deployment "
+                             f"(allowed: {', '.join(sorted(packages)) or 'none'}); the operator allows it with "
+                             f"`gpuflow serve --allow-code {top}`")
+        defined_in = lambda module: module.split(".")[0] in packages  # noqa: E731
+    try:
+        resolve_defined(value, str(Path.cwd()), defined_in, name)
+    except CodeReferenceError as e:
+        raise NotAllowed(str(e)) from None
+
+
+def _is_library_file(path: Path) -> bool:
+    """Whether a file is installed Python code (the standard library, a site-packages folder),
+    even where it lies in an allowed folder (a project's .venv)."""
+    if {"site-packages", "dist-packages"} & set(path.parts):
+        return True
+    places = {*site.getsitepackages(), site.getusersitepackages()}
+    for base in {sys.prefix, sys.base_prefix}:
+        paths = sysconfig.get_paths(vars={"base": base, "platbase": base, "installed_base": base,
+                                          "installed_platbase": base})
+        places |= {paths["stdlib"], paths["platstdlib"], paths["purelib"], paths["platlib"]}
+    return any(lib in path.parents for lib in {Path(p).resolve() for p in places if p})
+
+
+def _inside(name: str, value: str, path: Path, folders: list[Path], shown: str) -> Path:
+    """The path's real location (links followed), which must lie in an allowed folder."""
     path = path.expanduser().resolve()
     if not any(path == f or f in path.parents for f in folders):
         raise NotAllowed(f"{name}={value!r} is outside the folders this served deployment may use ({shown}); "
                          "use a path inside them, or the operator adds its folder with "
                          "`gpuflow serve --allow-paths <folder>`")
+    return path

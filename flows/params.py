@@ -171,11 +171,27 @@ class PipelineParams(TrainConfig):
 
 def check_script(v: str) -> str:
     path = Path(v).expanduser().resolve()
+    if path.is_dir():
+        raise ValueError(f"{path} is a directory; give the path of your training script in it, e.g. "
+                         f"{Path(v) / 'train.py'}")
     if not path.is_file():
         raise ValueError(f"no such file ({path}); give the path of your training script, e.g. train_ddp.py")
     if path.suffix != ".py":
         raise ValueError(f"{path.name} is not a Python file; torchrun runs a .py script")
     return str(path)
+
+
+def check_collect(patterns: list[str]) -> list[str]:
+    """Glob patterns stay inside the working folder: relative, no '..' (a '**/..' climbs out,
+    since '**' also matches no folder at all). What each pattern matches is checked again, file
+    by file, by its real path when the outputs are logged (tasks/scriptout.py)."""
+    for pattern in patterns:
+        path = Path(pattern)
+        if not pattern.strip() or path.is_absolute() or pattern.startswith("~") or ".." in path.parts:
+            raise ValueError(f"collect pattern {pattern[:200]!r} must be a glob relative to the working folder "
+                             "that stays inside it (no leading '/' or '~', no '..'), e.g. 'snapshot.pt' or "
+                             "'checkpoints/*.pt'")
+    return patterns
 
 
 # The train pipeline's device, launch and tracking fields, shared as they are declared there.
@@ -193,7 +209,7 @@ class ScriptParams(_ScriptBase):
         description="your training script (.py), run by torchrun from the folder gpuflow runs in")
     script_args: list[str] = Field([], description="the script's own arguments (on the command line: "
                                    "everything after --)", json_schema_extra={"cli": "rest"})
-    collect: list[str] = Field([], description="glob patterns, relative to the working folder, of files the "
+    collect: Annotated[list[str], AfterValidator(check_collect)] = Field([], description="glob patterns, relative to the working folder, of files the "
                                "script writes outside GPUFLOW_OUTPUT_DIR to log as artifacts (e.g. "
                                "[\"snapshot.pt\"]); the newest state dict among them is the run's checkpoint")
     strategy: Literal["auto", "single", "ddp"] = Field(

@@ -1,9 +1,17 @@
 """What a user's script leaves behind, logged to its run: the output folder, the files named
-by `collect`, the logs, and the newest state dict as a de-prefixed checkpoint."""
+by `collect`, the logs, and the newest state dict as a de-prefixed checkpoint.
+
+Only plain files are logged: a file is taken from the output folder or the logs only when it is
+reached through no symbolic link, and a `collect` match only when its real path lies in the
+working folder; anything else is skipped and named in the run's `gpuflow.skipped` tag. Nothing
+here fails a run whose script finished: a file that cannot be logged is skipped and named.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
+import os
 from pathlib import Path
 
 from .tracking import TrackedRun
@@ -22,6 +30,41 @@ def declared_model(path: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+def plain_files(root: Path) -> tuple[list[Path], list[str]]:
+    """(files under `root` reached through no symbolic link, the links skipped). A linked
+    `root` yields nothing: a script may replace its output folder by a link to anywhere."""
+    if root.is_symlink():
+        return [], [f"{root} (a link)"]
+    files, skipped = [], []
+    for folder, dirs, names in os.walk(root, followlinks=False):
+        for name in sorted(dirs + names):
+            path = Path(folder) / name
+            if path.is_symlink():
+                skipped.append(f"{path} (a link)")
+            elif name in names and path.is_file() and not name.startswith("."):
+                files.append(path)
+    return sorted(files), skipped
+
+
+def collected_files(patterns: list[str], cwd: Path) -> tuple[list[Path], list[str]]:
+    """The files the `collect` patterns match whose real paths (links followed) lie in `cwd`."""
+    root = cwd.resolve()
+    files, skipped = set(), []
+    for pattern in patterns:
+        try:
+            matches = [p for p in cwd.glob(pattern) if p.is_file()]
+        except (ValueError, NotImplementedError) as e:  # refused by ScriptParams before launch; kept safe here
+            skipped.append(f"{pattern!r} ({e})")
+            continue
+        for p in matches:
+            real = p.resolve()
+            if real == root or root not in real.parents:
+                skipped.append(f"{p} (its real path {real} is outside {root})")
+            else:
+                files.add(real)
+    return sorted(files), skipped
+
+
 def gather(run: TrackedRun, patterns: list[str], cwd: Path) -> dict:
     """Log the script's files; returns {"checkpoint", "weights", "model_spec", "outputs"}.
 
@@ -32,23 +75,36 @@ def gather(run: TrackedRun, patterns: list[str], cwd: Path) -> dict:
     """
     from gpuflow.training.metrics import MODEL_FILE  # torch-free: no torch import when there is nothing to load
 
-    client, run_id, outputs = run.client, run.run_id, run.workdir / "outputs"
-    produced = sorted(p for p in outputs.rglob("*") if p.is_file() and not p.name.startswith("."))
-    collected = sorted({p.resolve() for pattern in patterns for p in cwd.glob(pattern) if p.is_file()})
-    if produced:
-        client.log_artifacts(run_id, str(outputs), "outputs")
+    workdir = run.workdir.resolve()
+    outputs = workdir / "outputs"
+    produced, skipped = plain_files(outputs)
+    collected, refused = collected_files(patterns, cwd)
+    logs, linked_logs = plain_files(workdir / "logs")
+    skipped += refused + linked_logs
+    for folder, files, artifact_dir in ((outputs, produced, "outputs"), (workdir / "logs", logs, "logs")):
+        for p in files:
+            _log_file(run, p, str(Path(artifact_dir) / p.parent.relative_to(folder)), skipped)
     for p in collected:
-        client.log_artifact(run_id, str(p), "collected")
-    if (run.workdir / "logs").is_dir():
-        client.log_artifacts(run_id, str(run.workdir / "logs"), "logs")
+        _log_file(run, p, "collected", skipped)
+    if skipped:
+        logging.getLogger(__name__).warning("not logged: %s", "; ".join(skipped)[:2000])
+        run.client.set_tag(run.run_id, "gpuflow.skipped", "; ".join(skipped)[:4000])
     found = {"outputs": [str(p.relative_to(outputs)) for p in produced] + [str(p) for p in collected],
-             "model_spec": declared_model(outputs / MODEL_FILE), "checkpoint": None, "weights": None}
+             "model_spec": declared_model(outputs / MODEL_FILE) if outputs / MODEL_FILE in produced else None,
+             "checkpoint": None, "weights": None}
     source = newest_state_file(produced + collected)
     if source is None:
-        client.set_tag(run_id, "gpuflow.checkpoint", "none: the script saved no *.pt or *.pth file in "
-                       "GPUFLOW_OUTPUT_DIR or the collect patterns")
+        run.client.set_tag(run.run_id, "gpuflow.checkpoint", "none: the script saved no *.pt or *.pth file in "
+                           "GPUFLOW_OUTPUT_DIR or the collect patterns")
         return found
     return found | checkpoint_from(run, source, found["model_spec"], cwd)
+
+
+def _log_file(run: TrackedRun, path: Path, artifact_dir: str, skipped: list[str]) -> None:
+    try:
+        run.client.log_artifact(run.run_id, str(path), artifact_dir)
+    except Exception as e:  # a file that vanished or a store that refused it: name it, keep the run's outcome
+        skipped.append(f"{path} ({type(e).__name__}: {e})")
 
 
 def checkpoint_from(run: TrackedRun, source: Path, spec: dict | None, cwd: Path) -> dict:

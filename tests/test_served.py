@@ -107,15 +107,23 @@ def test_a_served_run_names_only_the_packages_and_folders_the_operator_allowed(s
     client = _client(served)
     (run,) = client.search_runs([client.get_experiment_by_name("allowed").experiment_id])
     assert run.info.status == "FINISHED" and run.data.params["model"] == "myproj.nets:Net"
-    refused = {"model=myproj_evil.nets:Net": "package 'myproj_evil' is not allowed",
-               "objective=os:system": "package 'os' is not allowed",
-               "data_root=/etc": "data_root='/etc' is outside the folders"}
+    marker = served["base"] / "pwned"
+    # An allowed module imports torch, which imports os: a path through attributes reached os.system,
+    # called with model_args (model) or data_root (dataset) in the served flow's own process.
+    escape = "myproj.nets:nn.functional.torch.os.system"
+    refused = {("model=myproj_evil.nets:Net",): "package 'myproj_evil' is not allowed",
+               ("objective=os:system",): "package 'os' is not allowed",
+               ("data_root=/etc",): "data_root='/etc' is outside the folders",
+               (f"model={escape}", f'model_args={{"command": "touch {marker}"}}'): "not a path through other objects",
+               (f"dataset={escape}", f"data_root=touch {marker}"): "not a path through other objects"}
     for bad, message in refused.items():
-        out = _prefect(["deployment", "run", "train-pipeline/ddp", *user, "-p", bad, "-p", "experiment=refused",
+        given = [arg for value in bad for arg in ("-p", value)]
+        out = _prefect(["deployment", "run", "train-pipeline/ddp", *user, *given, "-p", "experiment=refused",
                         "--watch"], env, timeout=300)
         assert out.returncode != 0, out.stdout[-2000:]
         state = _api(api, f"/flow_runs/{_flow_run_id(out.stdout)}")["state"]
         assert state["type"] == "FAILED" and message in state["message"], (bad, state)
+    assert not marker.exists()  # the shell command never ran
     assert client.get_experiment_by_name("refused") is None  # refused before any MLflow run
 
 
@@ -145,6 +153,12 @@ def test_the_script_deployment_runs_an_allowed_script_and_refuses_one_outside(se
                    env, timeout=300)
     state = _api(api, f"/flow_runs/{_flow_run_id(out.stdout)}")["state"]
     assert state["type"] == "FAILED" and "is outside the folders" in state["message"], state
+    # `**` also matches no folder, so `**/..` climbs one level per repeat: refused, whatever it matches
+    climb = _prefect(["deployment", "run", "train-script/default", "-p", "script=tiny.py", "-p",
+                      'collect=["**/../**/../**/../**/../etc/passwd"]', *common], env, timeout=300)
+    state = _api(api, f"/flow_runs/{_flow_run_id(climb.stdout)}")["state"]
+    assert state["type"] == "FAILED" and "stays inside it" in state["message"], state
+    assert len(client.search_runs([client.get_experiment_by_name("scripted").experiment_id])) == 1
 
 
 def test_cancelling_a_served_run_stops_its_ranks_and_ends_its_run_killed(served):

@@ -145,6 +145,8 @@ def test_served_runs_name_only_allowed_packages_and_folders(tmp_path, monkeypatc
     from gpuflow.flows.settings import Settings
 
     monkeypatch.chdir(tmp_path)
+    shutil.copytree(Path(__file__).resolve().parents[1] / "examples" / "myproj" / "myproj", tmp_path / "myproj")
+    monkeypatch.syspath_prepend(str(tmp_path))  # serve's folder holds the allowed package
     f = write(tmp_path / "inside", "nets.py", GOOD)
     outside = write(tmp_path.parent / f"{tmp_path.name}-outside", "nets.py", GOOD)
     settings = Settings(allow_code="myproj", allow_paths=str(tmp_path))
@@ -164,6 +166,8 @@ def test_served_runs_name_only_allowed_packages_and_folders(tmp_path, monkeypatc
             allow.check_allowed(bad, settings)
     with pytest.raises(allow.NotAllowed, match="allowed: none"):
         allow.check_allowed(PipelineParams(model="myproj.nets:Net"), Settings())
+    for name in [m for m in sys.modules if m == "myproj" or m.startswith("myproj.")]:
+        del sys.modules[name]  # this copy of the package was this test's alone
 
 
 # --- end to end: DDP with 2 gloo processes, 1 vs 2 equal, checkpoint, registry ---------------

@@ -16,6 +16,7 @@ import difflib
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import re
 import sys
 import traceback
@@ -92,16 +93,15 @@ def _where_raised(e: BaseException) -> str:
     return f" (at {frames[-1].filename}, line {frames[-1].lineno})" if frames else ""
 
 
-def resolve(ref: str, code_root: str | None, what: str = "reference"):
-    """Import the module of `ref` and return its attribute; CodeReferenceError otherwise."""
-    where, attr = split(ref)
+def _import(ref: str, code_root: str | None, what: str):
+    """The module a reference names, imported (a file reference: loaded from its file)."""
+    where, _ = split(ref)
     try:
         if is_file_reference(ref):
-            module = _file_module(Path(where))
-        else:
-            if code_root and code_root not in sys.path:
-                sys.path.insert(0, code_root)
-            module = importlib.import_module(where)
+            return _file_module(Path(where))
+        if code_root and code_root not in sys.path:
+            sys.path.insert(0, code_root)
+        return importlib.import_module(where)
     except ModuleNotFoundError as e:
         if e.name and (where == e.name or where.startswith(e.name + ".")):
             raise CodeReferenceError(
@@ -112,15 +112,67 @@ def resolve(ref: str, code_root: str | None, what: str = "reference"):
     except Exception as e:
         raise CodeReferenceError(f"{what} {ref!r}: importing {where!r} failed: {type(e).__name__}: {e}"
                                  f"{_where_raised(e)}") from None
-    target = module
-    for part in attr.split("."):
+
+
+def _no_attribute(ref: str, what: str, owner, part: str) -> CodeReferenceError:
+    names = [n for n in dir(owner) if not n.startswith("_")]
+    close = difflib.get_close_matches(part, names, n=3)
+    hint = f"did you mean {', '.join(close)}?" if close else f"it has: {', '.join(names[:12]) or 'nothing'}"
+    return CodeReferenceError(f"{what} {ref!r}: {split(ref)[0]!r} has no attribute {part!r}; {hint}")
+
+
+def resolve(ref: str, code_root: str | None, what: str = "reference"):
+    """Import the module of `ref` and return its attribute; CodeReferenceError otherwise.
+
+    The part after ':' is a dotted path through attributes (your own code, your own shell: a
+    local run may name anything it could import). A served run's references go through
+    `resolve_defined` first.
+    """
+    target = _import(ref, code_root, what)
+    for part in split(ref)[1].split("."):
         if not hasattr(target, part):
-            names = [n for n in dir(target) if not n.startswith("_")]
-            close = difflib.get_close_matches(part, names, n=3)
-            hint = f"did you mean {', '.join(close)}?" if close else f"it has: {', '.join(names[:12]) or 'nothing'}"
-            raise CodeReferenceError(f"{what} {ref!r}: {where!r} has no attribute {part!r}; {hint}")
+            raise _no_attribute(ref, what, target, part)
         target = getattr(target, part)
     return target
+
+
+def _own_code(obj):
+    """The class or Python function behind a module or class attribute; None for anything else
+    (modules, builtins, instances)."""
+    if isinstance(obj, (staticmethod, classmethod)):
+        obj = obj.__func__
+    return obj if inspect.isclass(obj) or inspect.isfunction(obj) else None
+
+
+def resolve_defined(ref: str, code_root: str | None, defined_in, what: str = "reference"):
+    """Resolve `ref` for a served run, whose caller is not trusted: the object must be a class
+    or Python function *defined* in the allowed code (`defined_in(module name) -> bool`; for a
+    file reference, that file's own module), named by one name or as `Class.method`, never
+    reached through another module or object, never a builtin. Attributes are read without
+    running descriptors or module `__getattr__` hooks, and nothing is called.
+    """
+    module = _import(ref, code_root, what)
+    parts = split(ref)[1].split(".")
+    form = "name a class or function of the allowed code, or a class's method as Class.method"
+    if len(parts) > 2 or any(p.startswith("__") for p in parts):
+        raise CodeReferenceError(f"{what} {ref!r}: in a served run, {form}; not a path through other objects")
+    if is_file_reference(ref):
+        defined_in = module.__name__.__eq__
+    owner = module
+    for part in parts:
+        if owner is not module and not inspect.isclass(owner):
+            raise CodeReferenceError(f"{what} {ref!r}: {parts[0]!r} is not a class; in a served run, {form}")
+        found = inspect.getattr_static(owner, part, None)
+        if found is None:
+            raise _no_attribute(ref, what, owner, part)
+        code = _own_code(found)
+        home = getattr(code, "__module__", None) or ""
+        if code is None or not defined_in(home):
+            kind = f"{type(found).__name__}" + (f" defined in {home!r}" if code is not None else "")
+            raise CodeReferenceError(f"{what} {ref!r}: {part!r} is a {kind}, not a class or function defined "
+                                     f"in the allowed code; in a served run, {form}")
+        owner = getattr(owner, part)  # the allowed code's own class or function, bound as Python binds it
+    return owner
 
 
 def describe_error(e: BaseException) -> str:
