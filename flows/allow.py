@@ -28,11 +28,11 @@ from pathlib import Path
 from prefect.runtime import deployment
 
 from gpuflow.training.errors import UserError
-from gpuflow.training.refs import CodeReferenceError, is_file_reference, is_reference, resolve_defined, split, top_package
+from gpuflow.training.refs import (REFERENCE_FIELDS, CodeReferenceError, is_file_reference, is_reference, resolve_defined,
+                                  split, top_package)
 
 from .settings import Settings
 
-REFERENCES = ("model", "dataset", "objective")
 PATHS = ("data_root", "runs_dir", "resume", "checkpoint", "inputs", "output", "script")
 
 
@@ -47,7 +47,7 @@ def check_allowed(params, settings: Settings | None = None) -> None:
     settings = settings or Settings()
     packages, folders = settings.allowed_packages, settings.allowed_folders
     shown = ", ".join(map(str, folders))
-    for name in REFERENCES:
+    for name in REFERENCE_FIELDS:
         value = getattr(params, name, None)
         if is_reference(value):
             _check_reference(name, value, packages, folders, shown)

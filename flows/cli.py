@@ -15,10 +15,12 @@ deployments (`prefect deployment run 'train-pipeline/ddp' -p epochs=3`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import logging
 import os
+import signal
 import sys
 import typing
 
@@ -27,6 +29,7 @@ from pydantic import BaseModel, ValidationError
 from gpuflow.tasks.launch import TrainingFailed
 from gpuflow.training.errors import UserError
 from gpuflow.training.lifetime import exit_on_sigterm
+from gpuflow.training.refs import check_references
 
 from .api import prefect_api
 
@@ -166,12 +169,24 @@ def parse(argv: list[str], p: argparse.ArgumentParser | None = None) -> tuple[st
     return command, model, ns
 
 
+SHOWN = 300  # characters of a value echoed in a refusal
+
+
+def cut(text: str, keep: int = SHOWN) -> str:
+    """`text`, or its start and end around how much was left out: a refusal stays one readable
+    line (and keeps its fix, at the end) whatever size the value it echoes."""
+    if len(text) <= 2 * keep:
+        return text
+    return f"{text[:keep]} ...[{len(text) - 2 * keep} characters cut]... {text[-keep:]}"
+
+
 def one_line(e: BaseException) -> str:
     """A user error as one line: each bad value, what was wrong, no traceback."""
     if isinstance(e, ValidationError):
-        return "; ".join((f"{'.'.join(map(str, err['loc']))}={err.get('input')!r}: " if err["loc"] else "")
-                         + err["msg"].removeprefix("Value error, ") for err in e.errors())
-    return str(e).replace("\n", " ")
+        return "; ".join((f"{'.'.join(map(str, err['loc']))}={cut(repr(err.get('input')), SHOWN // 2)}: "
+                          if err["loc"] else "") + cut(err["msg"].removeprefix("Value error, "))
+                         for err in e.errors())
+    return cut(str(e).replace("\n", " "))
 
 
 class UserErrorOnce(logging.Filter):
@@ -275,16 +290,22 @@ def main(argv: list[str] | None = None) -> int:
         if command in SERVICES:
             imports_done()
             return run_service(command, checked)
+        # Ctrl-C stops a run even where its starter ignored SIGINT (`cmd &` in a script, some CI
+        # runners): children inherit an ignored SIGINT, and Python keeps it ignored.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         # Prefect ends the flow run on SIGTERM, then calls this handler: a normal exit (143)
         exit_on_sigterm()
         job = load(command, model)
         imports_done()
-        if command == "infer":  # no flow: nothing to record in Prefect
-            out = job(values)
-        else:
-            report_user_errors_once()
-            with prefect_api():
+        # stdout carries the JSON result alone: what user code prints (on import, say) goes to stderr
+        with contextlib.redirect_stdout(sys.stderr):
+            check_references(checked)  # your code imports, before a server starts or data is written
+            if command == "infer":  # no flow: nothing to record in Prefect
                 out = job(values)
+            else:
+                report_user_errors_once()
+                with prefect_api():
+                    out = job(values)
     except (UserError, ValidationError) as e:
         print(f"gpuflow {command}: {one_line(e)}", file=sys.stderr)
         return 2

@@ -18,8 +18,9 @@ from typing import Annotated, Any, Callable, Literal
 import annotated_types
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model, model_validator
 
-from gpuflow.tasks.assign import GPUS_HELP, DevicePlan, parse_gpus
+from gpuflow.tasks.assign import GPUS_HELP, DevicePlan, one_device, parse_gpus
 from gpuflow.training import TrainConfig
+from gpuflow.training.errors import UserError
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9 ._-]{0,99}")
 URI_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql", "http", "https", "file", "databricks")
@@ -64,10 +65,19 @@ TrackingUri = Annotated[str | None, AfterValidator(check_tracking_uri),
                               "sqlite:///<working directory>/mlflow.db)")]
 Name = Annotated[str, AfterValidator(check_name)]
 RegisteredModel = Annotated[Name, Field(description="Model Registry name")]
-def check_version(v: str) -> str:
+def check_version(v: str | int) -> str:
+    """A version number (1 or "1": the Prefect form and `-p version=1` send a number) or 'champion'."""
+    v = str(v)
     if not (v.isdigit() and int(v) > 0) and v != "champion":
         raise ValueError("not a version: use a registered version number (1, 2, ...) or 'champion'")
     return v
+
+
+def check_one_device(v: str) -> str:
+    try:
+        return one_device(v)
+    except UserError as e:
+        raise ValueError(str(e)) from None
 
 
 def check_file(v: str | None) -> str | None:
@@ -80,7 +90,10 @@ def check_file(v: str | None) -> str | None:
     return str(path)
 
 
-Version = Annotated[str, AfterValidator(check_version), Field(description="a registered version number, or 'champion'")]
+Version = Annotated[str | int, AfterValidator(check_version),
+                    Field(description="a registered version number, or 'champion'")]
+OneDevice = Annotated[str, AfterValidator(check_one_device),
+                      Field(description="the one device: auto, cpu, 1 (the freest GPU), or a physical id like 3,")]
 InputFile = Annotated[str | None, AfterValidator(check_file)]
 
 # Worker fields the flow sets from the device plan and the run's folder, never the user.
@@ -237,7 +250,7 @@ class ScriptParams(_ScriptBase):
 class RetrainParams(PipelineParams):
     """The retrain flow: a challenger trained by the pipeline, then compared with the champion."""
 
-    eval_gpus: Gpus = "auto"
+    eval_gpus: OneDevice = "auto"
     metric: str = Field("auto", description="what makes a challenger better: auto (the objective's own: "
                         "accuracy for classification), loss (lower), accuracy (higher), or a metric of your "
                         "objective (compared by its mode)")
@@ -252,7 +265,7 @@ class EvaluateParams(BaseModel):
     registered_model: RegisteredModel = "gpuflow-model"
     version: Version = "champion"
     checkpoint: InputFile = Field(None, description="evaluate this checkpoint file instead of a registered version")
-    gpus: Gpus = "auto"
+    gpus: OneDevice = "auto"
     split: Literal["val", "all"] = Field("val", description="the held-out split training used, or all samples")
     dataset: str | None = Field(None, description="evaluate on another dataset than the one trained on")
     data_root: str | None = Field(None, description="folder holding torchvision datasets")
@@ -267,7 +280,7 @@ class InferParams(BaseModel):
     registered_model: RegisteredModel = "gpuflow-model"
     version: Version = "champion"
     checkpoint: InputFile = Field(None, description="use this checkpoint file instead of a registered version")
-    gpus: Gpus = "auto"
+    gpus: OneDevice = "auto"
     output: str | None = Field(None, description="write the predictions JSON here (default: print it)")
     tracking_uri: TrackingUri = None
 

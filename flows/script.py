@@ -30,17 +30,14 @@ from gpuflow.tasks.probe import probe_environment
 
 from .allow import check_allowed
 from .params import ScriptParams, flat_parameters
-from .train import given_name, plan_tags
+from .train import current_name, plan_tags, unique_name
 
 
 def script_run_name() -> str:
+    """The flow run's name, given when it starts: the user's run_name, else <script>-<the flow run
+    id's start>; the MLflow run takes the same name."""
     p = flow_run.get_parameters()
-    return p.get("run_name") or f"{Path(p.get('script', 'script')).stem}-gpus={p.get('gpus', 'auto')}"
-
-
-def name_run(params: ScriptParams, plan: DevicePlan) -> str:
-    """<script>-<strategy>-x<processes>-<flow run id's start>, unless the user named the run."""
-    return params.run_name or given_name(f"{Path(params.script).stem}-{plan.strategy}-x{plan.nproc_per_node}")
+    return p.get("run_name") or unique_name(Path(p.get("script", "script")).stem)
 
 
 @flow(name="train-script", flow_run_name=script_run_name, validate_parameters=False,
@@ -53,7 +50,7 @@ def train_script(params: ScriptParams) -> dict:
         report = probe_environment()
         plan = assign_devices(report, params, None)
         with card_locks(plan) as locks:
-            name = name_run(params, plan)
+            name = current_name(params.run_name, Path(params.script).stem)
             with tracking.tracked_run(params.tracking_uri or store.default_tracking_uri(), params.experiment,
                                       name, run_tags(params, plan), None, params.runs_dir) as run:
                 run.log_params(params.run_params(plan))

@@ -23,6 +23,7 @@ from gpuflow.tasks.data import DatasetInfo, prepare_dataset
 from gpuflow.tasks.launch import launch_training, preflight
 from gpuflow.tasks.probe import EnvironmentReport, probe_environment
 from gpuflow.training.errors import UserError
+from gpuflow.training.refs import check_references
 
 from .allow import check_allowed
 from .params import PipelineParams, flat_parameters
@@ -56,10 +57,12 @@ def retry_unless_user_error(task, task_run, state) -> bool:
 
 
 def run_name() -> str:
-    """The flow run's name until devices are assigned (then `name_run` gives the final one)."""
+    """The flow run's name, given when it starts (flow_run_name): the user's run_name, else
+    <model>-<dataset>-<the flow run id's start>. The MLflow run takes the same name, so each
+    run is found by one name in both UIs."""
     p = flow_run.get_parameters()
-    return p.get("run_name") or (f"{dataset_label(p.get('model', 'mlp'))}-{dataset_label(p.get('dataset', 'digits'))}"
-                                 f"-{p.get('strategy', 'auto')}-gpus={p.get('gpus', 'auto')}")
+    return p.get("run_name") or unique_name(f"{dataset_label(p.get('model', 'mlp'))}-"
+                                            f"{dataset_label(p.get('dataset', 'digits'))}")
 
 
 def dataset_label(dataset: str) -> str:
@@ -69,28 +72,25 @@ def dataset_label(dataset: str) -> str:
     return dataset.rpartition(":")[2] if ":" in dataset else dataset
 
 
-def name_run(params: PipelineParams, plan: DevicePlan) -> str:
-    """model-dataset-strategy-x<world size>-<flow run id's start>, unless the user named the run."""
-    return params.run_name or given_name(f"{dataset_label(params.model)}-{dataset_label(params.dataset)}-"
-                                         f"{plan.strategy}-x{params.world_size(plan)}")
+def unique_name(stem: str) -> str:
+    """<stem>-<the flow run id's start> (a random one outside a flow run)."""
+    return f"{stem}-{(flow_run.get_id() or uuid.uuid4().hex)[:6]}"
 
 
-def given_name(stem: str) -> str:
-    """<stem>-<flow run id's start>, which the Prefect flow run takes too, so that each run is
-    found by one name in both UIs."""
-    name = f"{stem}-{(flow_run.get_id() or uuid.uuid4().hex)[:6]}"
-    if flow_run.get_id():
-        from prefect.client.orchestration import get_client
-
-        with get_client(sync_client=True) as client:
-            client.update_flow_run(flow_run.get_id(), name=name)
-    return name
+def current_name(given: str | None, stem: str) -> str:
+    """The name this flow run started with (see run_name), which the MLflow run takes."""
+    return flow_run.get_name() or given or unique_name(stem)
 
 
 def entry_point() -> str:
-    """What the user ran, for the MLflow run's source: the deployment, or the command."""
-    if deployment.get_name():
-        return f"deployment {flow_run.get_flow_name()}/{deployment.get_name()}"
+    """What the user ran, for the MLflow run's source: the deployment (the one a retrain's training
+    ran under is the retrain's), or the command."""
+    if deployment.get_id():
+        from prefect.client.orchestration import get_client
+
+        with get_client(sync_client=True) as client:
+            served = client.read_deployment(deployment.get_id())
+            return f"deployment {client.read_flow(served.flow_id).name}/{served.name}"
     prog = Path(sys.argv[0]).name
     return f"{prog} {sys.argv[1]}" if prog == "gpuflow" and len(sys.argv) > 1 else prog
 
@@ -101,6 +101,7 @@ def entry_point() -> str:
 def train_pipeline(params: PipelineParams) -> dict:
     """Train a model on the best devices of this host and log one MLflow run."""
     check_allowed(params)  # a served deployment's run names only what the operator allowed
+    check_references(params)  # your code imports: refused before data or devices are touched
     with device_slot():  # served runs on one host queue here
         return pipeline(params)
 
@@ -121,7 +122,7 @@ def pipeline(params: PipelineParams) -> dict:
                                          params.world_size(plan))
         if params.node_rank != 0:  # node 0 owns the MLflow run; the other nodes only train
             return train_node(params, plan, data, timer, locks.fds)
-        name = name_run(params, plan)
+        name = current_name(params.run_name, f"{dataset_label(params.model)}-{dataset_label(params.dataset)}")
         with tracking.tracked_run(params.tracking_uri or store.default_tracking_uri(), params.experiment,
                                   name, run_tags(params, plan), data.model_dump(mode="json"),
                                   params.runs_dir) as run:

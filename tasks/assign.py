@@ -44,6 +44,17 @@ def parse_gpus(v: str) -> str:
     return v
 
 
+def one_device(v: str) -> str:
+    """The `gpus` grammar for a step that uses one device (evaluate, infer, a retrain's comparison)."""
+    gpus = parse_gpus(v)
+    ids = explicit_ids(gpus)
+    if (ids is not None and len(ids) > 1) or (gpus.isdigit() and int(gpus) > 1):
+        hint = f"; to name physical GPU {gpus}, write '{gpus},'" if gpus.isdigit() else ""
+        raise AssignmentError(f"gpus={gpus} asks for several devices but this step uses one; "
+                              f"name one card ('3,'), ask for '1', or use cpu{hint}")
+    return gpus
+
+
 def explicit_ids(gpus: str) -> list[int] | None:
     return [int(p) for p in gpus.split(",") if p] if "," in gpus else None
 
@@ -210,13 +221,9 @@ def one_device_plan(report: EnvironmentReport, gpus: str) -> DevicePlan:
 
     auto: the freest GPU, else the CPU; '1': the freest GPU; '3,': physical GPU 3; cpu.
     """
+    gpus = one_device(gpus)
     if gpus == "auto":
         gpus = "1" if report.visible_physical_ids() else "cpu"
-    ids = explicit_ids(gpus)
-    if (ids is not None and len(ids) > 1) or (gpus.isdigit() and int(gpus) > 1):
-        hint = f"; to name physical GPU {gpus}, write '{gpus},'" if gpus.isdigit() else ""
-        raise AssignmentError(f"gpus={gpus} asks for several devices but this step uses one; "
-                              f"name one card ('3,'), ask for '1', or use cpu{hint}")
     request = SimpleNamespace(gpus=gpus, strategy="single", backend="auto", min_free_mb=0, skip_busy=True,
                               cpu_processes=1)
     return assign_devices_for(report, request, batch_size=1, locked=CardLocks().held_elsewhere(report))

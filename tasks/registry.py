@@ -66,8 +66,13 @@ def resolve_version(name: str, version: str) -> str:
         return version
     found = champion_version(name)
     if found is None:
-        raise UserError(f"model {name!r} has no 'champion' alias yet; run the retrain flow first "
-                        "or pass --version N")
+        import mlflow
+
+        have = sorted(int(v.version) for v in mlflow.MlflowClient().search_model_versions(f"name='{name}'"))
+        newest = have[-1] if have else "N"
+        raise UserError(f"model {name!r} has no 'champion' yet (the retrain flow sets it); choose one of its versions "
+                        f"({', '.join(map(str, have)) or 'none'}): --version {newest} on the command line, "
+                        f"-p version={newest} for a deployment")
     return found
 
 

@@ -211,6 +211,9 @@ def test_the_nightly_retrain_is_fired_by_the_servers_scheduler_and_leaves_its_ml
     trained = client.search_runs([client.get_experiment_by_name("gpuflow").experiment_id])
     assert [r.info.status for r in trained] == ["FINISHED"]
     assert trained[0].data.tags["retrain.decision"] == "promoted"
+    assert trained[0].data.tags["mlflow.source.name"] == "deployment retrain/nightly"  # the deployment it ran under
+    flow_run = _api(api, f"/flow_runs/{trained[0].data.tags['prefect.flow_run_id']}")
+    assert flow_run["name"] == trained[0].info.run_name == trained[0].data.tags["prefect.flow_run_name"]
     assert client.get_model_version_by_alias("gpuflow-model", "champion")
 
 

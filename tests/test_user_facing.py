@@ -132,9 +132,12 @@ def test_the_store_file_alone_holds_the_finished_run_and_its_model_version(defau
 
 
 def test_runs_are_named_apart_with_the_command_as_source_and_timings_grouped(default_run):
-    _, client = default_run
+    out, client = default_run
     [run] = client.search_runs([client.get_experiment_by_name("gpuflow").experiment_id])
-    assert re.fullmatch(r"mlp-digits-(ddp-x2|single-x1)-[0-9a-f]{6}", run.info.run_name), run.info.run_name
+    name = run.info.run_name
+    assert re.fullmatch(r"mlp-digits-[0-9a-f]{6}", name) and run.data.tags["prefect.flow_run_id"].startswith(name[-6:])
+    assert run.data.tags["prefect.flow_run_name"] == name  # one name in both UIs, from the flow run's start
+    assert f"Flow run '{name}'" in out.stderr and "gpus=auto" not in out.stderr, out.stderr[-3000:]
     assert run.data.tags["mlflow.source.name"] == "gpuflow run"
     timings = [k for k in run.data.metrics if "_s" in k and k.startswith("pipeline")]
     assert timings and all(k.startswith("pipeline/") for k in timings), timings

@@ -136,6 +136,19 @@ def resolve(ref: str, code_root: str | None, what: str = "reference"):
     return target
 
 
+REFERENCE_FIELDS = ("model", "dataset", "objective")  # the parameters that may name user code
+
+
+def check_references(params, code_root: str | None = None) -> None:
+    """Import each module the parameters' references name and find the attribute, calling
+    nothing: a reference that does not resolve is refused in a second, before any server, data
+    or device work starts (`code_root`: default, the working folder)."""
+    for name in REFERENCE_FIELDS:
+        value = getattr(params, name, None)
+        if is_reference(value):
+            resolve(value, code_root or str(Path.cwd()), name)
+
+
 def _own_code(obj):
     """The class or Python function behind a module or class attribute; None for anything else
     (modules, builtins, instances)."""
