@@ -59,10 +59,19 @@ def outcome(promoted: bool, challenger: dict, champion: dict | None, metric: str
 @flat_parameters(RetrainParams)
 def retrain(params: RetrainParams) -> dict:
     """Train a challenger with the pipeline and move `champion` to it only if it is better."""
-    log = get_run_logger()
     check_allowed(params)
+    uri = params.tracking_uri or store.default_tracking_uri()
+    try:
+        return challenge(params, uri)
+    finally:
+        store.checkpoint_wal(uri)  # the promotion and the outcome tag are written after the run ends
+
+
+def challenge(params: RetrainParams, uri: str) -> dict:
+    """Train a challenger, evaluate it and the champion on the same data, promote the better."""
+    log = get_run_logger()
     trained = train_pipeline(**params.pipeline())
-    client = store.prepare_store(params.tracking_uri or store.default_tracking_uri())
+    client = store.prepare_store(uri)
     name = params.registered_model
     challenger_v = str(trained["model_version"])
     champion_v = champion_version(name)

@@ -298,8 +298,11 @@ def test_the_retrain_flow_compares_user_models_on_their_objectives_metric(traine
     assert first["promoted"] and first["retrain.metric"] == "mae"  # the objective's monitor, auto
     assert not second["promoted"] and second["retrain.decision"] == "kept champion"
     assert float(second["retrain.challenger_score"]) > float(second["retrain.champion_score"])  # mae: lower wins
-    client = mlflow.MlflowClient(f"sqlite:///{store / 'mlflow.db'}")
-    assert str(client.get_model_version_by_alias("pts", "champion").version) == "1"
+    shutil.copyfile(store / "mlflow.db", base / "retrain-copy.db")  # the file alone, without its -wal
+    for db in (store / "mlflow.db", base / "retrain-copy.db"):
+        client = mlflow.MlflowClient(f"sqlite:///{db}")
+        assert str(client.get_model_version_by_alias("pts", "champion").version) == "1"
+        assert client.get_model_version("pts", "2").tags["gpuflow.outcome"].startswith("rejected")
 
 
 def test_registered_user_models_predict_in_a_fresh_process_without_gpuflow_after_the_project_moved(trained):
