@@ -4,11 +4,16 @@ Prefect's own ephemeral API runs in this terminal's process group, so a Ctrl-C (
 the group) stopped it first and left the flow unable to record its end. This one is the same
 `prefect server start` a user would run, on a free 127.0.0.1 port, in a session of its own:
 only the flow is interrupted, ends its run, then stops the server. It dies with this process.
+
+Every such server on a PREFECT_HOME shares its `prefect.db`, and each migrates it as it starts:
+they start one at a time, under a file lock beside the database, held until the one starting
+answers (so its migrations are done); the kernel drops the lock if its holder dies.
 """
 
 from __future__ import annotations
 
 import atexit
+import fcntl
 import functools
 import os
 import signal
@@ -19,7 +24,8 @@ import tempfile
 import time
 import urllib.request
 from contextlib import contextmanager
-from typing import Iterator
+from pathlib import Path
+from typing import IO, Iterator
 
 from gpuflow.training.lifetime import die_with_parent
 
@@ -40,6 +46,49 @@ def _healthy(url: str) -> bool:
         return False
 
 
+def _lock_path() -> Path:
+    """Beside the server's SQLite database; in PREFECT_HOME for any other database."""
+    from prefect.settings import get_current_settings
+    from sqlalchemy.engine import make_url
+
+    settings = get_current_settings()
+    url = make_url(settings.server.database.connection_url.get_secret_value())
+    if url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:"):
+        return Path(url.database).expanduser().with_name(Path(url.database).name + ".gpuflow-start.lock")
+    return Path(settings.home).expanduser() / "gpuflow-api-start.lock"
+
+
+@contextmanager
+def one_start_at_a_time() -> Iterator[None]:
+    """Held while a server on this PREFECT_HOME starts: two servers migrating one database break it."""
+    path = _lock_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as lock:
+        _acquire(lock, path)
+        yield  # closing the file releases the lock
+
+
+def _acquire(lock: IO[str], path: Path) -> None:
+    if _try_lock(lock):
+        return
+    print("gpuflow: waiting for another Prefect API on this PREFECT_HOME to start", file=sys.stderr, flush=True)
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while not _try_lock(lock):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"another Prefect API start held {path} for over {STARTUP_TIMEOUT_S:.0f} s "
+                               "(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS); "
+                               "set PREFECT_API_URL to use a running server")
+        time.sleep(0.2)
+
+
+def _try_lock(lock: IO[str]) -> bool:
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+
+
 @contextmanager
 def prefect_api() -> Iterator[str | None]:
     """The configured API (yields None), or a temporary server for the block (yields its URL)."""
@@ -48,6 +97,14 @@ def prefect_api() -> Iterator[str | None]:
     if PREFECT_API_URL.value():
         yield None
         return
+    with one_start_at_a_time():
+        url = _start_server()
+    with temporary_settings(updates={PREFECT_API_URL: url}):
+        yield url
+
+
+def _start_server() -> str:
+    """A `prefect server start` on a free port, stopped at exit; its URL once it answers."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}/api"
     cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port),
@@ -61,17 +118,27 @@ def prefect_api() -> Iterator[str | None]:
                               preexec_fn=functools.partial(die_with_parent, signal.SIGTERM, os.getpid()))
     # Stopped at exit, after Prefect's own exit hooks have sent their last logs and events.
     atexit.register(_stop, server)
+    wait_until_up(server, url, log)
+    return url
+
+
+def wait_until_up(server: subprocess.Popen, url: str, log: IO[str] | None = None) -> None:
+    """Returns once the server at url answers (its migrations done); raises if it exits or is late."""
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while not _healthy(url):
         if server.poll() is not None:
-            log.seek(0)
-            raise RuntimeError(f"the temporary Prefect API exited ({server.returncode}): {log.read()[-2000:]}")
+            raise RuntimeError(f"the Prefect API exited ({server.returncode}): {_tail(log)}")
         if time.monotonic() > deadline:
-            raise RuntimeError(f"the temporary Prefect API was not up within {STARTUP_TIMEOUT_S:.0f} s "
+            raise RuntimeError(f"the Prefect API on {url} was not up within {STARTUP_TIMEOUT_S:.0f} s "
                                "(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS)")
         time.sleep(0.2)
-    with temporary_settings(updates={PREFECT_API_URL: url}):
-        yield url
+
+
+def _tail(log: IO[str] | None) -> str:
+    if log is None:
+        return "its messages are above"
+    log.seek(0)
+    return log.read()[-2000:]
 
 
 def _stop(server: subprocess.Popen) -> None:
