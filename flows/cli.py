@@ -137,7 +137,9 @@ SERVICES = {
 
 
 def run_service(command: str, settings: Settings) -> int:
-    import subprocess
+    """Serve in this process, or run the Prefect server or MLflow UI under the reaper: stopping
+    gpuflow (Ctrl-C, SIGTERM, kill -9) stops the server and everything it started."""
+    from gpuflow.training.reaper import run_supervised
 
     if command == "serve":
         from .serve import main as serve
@@ -145,10 +147,10 @@ def run_service(command: str, settings: Settings) -> int:
         serve(settings)
         return 0
     if command == "server":
-        return subprocess.call(server_command(settings))
+        return run_supervised(server_command(settings))
     from gpuflow.tasks.store import default_tracking_uri
 
-    return subprocess.call(ui_command(settings, default_tracking_uri()))
+    return run_supervised(ui_command(settings, default_tracking_uri()))
 
 
 def parse(argv: list[str], p: argparse.ArgumentParser | None = None) -> tuple[str, type[BaseModel] | None, dict]:

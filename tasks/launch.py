@@ -8,7 +8,6 @@ line by line (two reader threads: a full pipe can never block the child).
 from __future__ import annotations
 
 import collections
-import functools
 import json
 import logging
 import os
@@ -26,7 +25,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from gpuflow.training.errors import UserError
-from gpuflow.training.lifetime import die_with_parent
+from gpuflow.training.reaper import grace_seconds, start_supervised
 
 from .assign import DevicePlan
 from .cards import rank_lock_files
@@ -120,15 +119,16 @@ def run_child(cmd: list[str], env: dict, cwd: Path, log: logging.Logger | loggin
     """Run cmd, forwarding each output line to `log` (and `log_file`) as it arrives; returns
     (code, its last lines, the errors found by `error`: by default the workers' `[rank N] error:` lines).
 
-    The child has a session of its own (a Ctrl-C reaches this process, which stops it in
-    order), is killed if this process dies, and keeps `hold_fds` (card locks) open for as long
-    as it lives.
+    The child runs under the reaper (training/reaper.py) in a session of its own: a Ctrl-C
+    reaches this process, which stops it in order; when it ends, is stopped, or this process
+    dies, nothing it started is left (SIGTERM, then SIGKILL after the grace period), whatever
+    sessions its processes made and whatever signals they ignore; `hold_fds` (card locks)
+    stay open until then.
     """
     tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
     errors: list[str] = []
-    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, bufsize=1, start_new_session=True, pass_fds=hold_fds,
-                            preexec_fn=functools.partial(die_with_parent, signal.SIGKILL, os.getpid()))
+    proc = start_supervised(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, bufsize=1, start_new_session=True, pass_fds=hold_fds)
     if log_file is not None:
         log_file.parent.mkdir(parents=True, exist_ok=True)
     out = open(log_file, "a") if log_file is not None else None
@@ -158,11 +158,12 @@ def run_child(cmd: list[str], env: dict, cwd: Path, log: logging.Logger | loggin
             out.close()
 
 
-def _terminate(proc: subprocess.Popen, grace: float = 10.0) -> None:
+def _terminate(proc: subprocess.Popen) -> None:
+    """SIGTERM to the reaper, which stops everything below it within its grace period."""
     try:
         os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(grace)
-    except subprocess.TimeoutExpired:
+        proc.wait(grace_seconds() + 30)
+    except subprocess.TimeoutExpired:  # not expected: the reaper ends within its grace
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     except ProcessLookupError:

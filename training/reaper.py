@@ -1,0 +1,149 @@
+"""The supervisor between gpuflow and every process a run starts: nothing it started outlives it.
+
+    python -m gpuflow.training.reaper [--grace S] -- torchrun ... train.py ...
+
+A user's ranks are code gpuflow does not control: torchrun starts them in sessions of their
+own, they never ask for a parent-death signal, they may ignore SIGTERM and start children of
+their own. This process is a Linux *child subreaper* (prctl PR_SET_CHILD_SUBREAPER), so every
+process below it that loses its parent (a rank whose torchrun died, a `Popen("sleep 1000")` of
+a rank that exited, a double fork) is re-parented to it instead of to init, and it can always
+find them. It runs the command and, when the command ends, when it is sent SIGTERM/SIGINT/
+SIGHUP, or when the flow that started it dies (the parent-death signal, SIGTERM, reaches it
+even after a `kill -9` of the flow), it stops every process left below it the way Kubernetes
+stops a pod: SIGTERM, a grace period, then SIGKILL. It exits last, with the command's exit
+code, so the card locks it holds (inherited descriptors) are free only when nothing of the
+run is left. Torch-free, stdlib and psutil only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+
+from .lifetime import die_with_parent
+
+PR_SET_CHILD_SUBREAPER = 36
+GRACE_ENV = "GPUFLOW_STOP_GRACE_S"  # seconds between SIGTERM and SIGKILL (default 10)
+DEFAULT_GRACE_S = 10.0
+POLL_S = 0.05
+
+
+def grace_seconds() -> float:
+    return float(os.environ.get(GRACE_ENV, DEFAULT_GRACE_S))
+
+
+def supervised(cmd: list[str]) -> list[str]:
+    """`cmd` run under the reaper."""
+    return [sys.executable, "-m", "gpuflow.training.reaper", f"--grace={grace_seconds()}", "--", *cmd]
+
+
+def start_supervised(cmd: list[str], **popen) -> subprocess.Popen:
+    """Start `cmd` under the reaper, which is sent SIGTERM if this process dies, however it dies."""
+    parent = os.getpid()
+    return subprocess.Popen(supervised(cmd), preexec_fn=lambda: die_with_parent(signal.SIGTERM, parent), **popen)
+
+
+def run_supervised(cmd: list[str]) -> int:
+    """Run a service (`gpuflow server`, `gpuflow ui`) in the foreground: Ctrl-C, SIGTERM or the
+    death of this process stops it and everything it started."""
+    proc = start_supervised(cmd)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:  # the terminal's Ctrl-C reached the reaper too: it stops the service
+        return proc.wait()
+
+
+def _become_subreaper() -> None:
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def _below_me() -> list[psutil.Process]:
+    try:
+        return psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def _signal_all(sig: int) -> None:
+    for p in _below_me():
+        try:
+            p.send_signal(sig)
+        except psutil.Error:
+            pass
+
+
+class Reaper:
+    """Runs one command and stops whatever is left below this process when it ends or is stopped."""
+
+    def __init__(self, cmd: list[str], grace: float):
+        self.cmd, self.grace = cmd, grace
+        self.code: int | None = None
+        self.stop_sent: float | None = None  # when SIGTERM went to what is left
+        self.asked: int | None = None  # a signal this process got
+
+    def _on_signal(self, signum, frame) -> None:
+        self.asked = signum
+
+    def run(self) -> int:
+        _become_subreaper()
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, self._on_signal)
+        # descriptors it inherited (card locks) go on to the command; Python's own are not inheritable
+        child = subprocess.Popen(self.cmd, close_fds=False)
+        while True:
+            self._reap(child.pid)
+            if self.asked is not None and self.stop_sent is None:
+                self._stop(child.pid)
+            if self.stop_sent is not None and time.monotonic() - self.stop_sent > self.grace:
+                _signal_all(signal.SIGKILL)
+            if self.code is not None and not _below_me():
+                return self.code
+            time.sleep(POLL_S)
+
+    def _reap(self, main_pid: int) -> None:
+        """Collect every exited child (the command, and orphans re-parented here)."""
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            if pid == main_pid:
+                code = os.waitstatus_to_exitcode(status)
+                self.code = code if code >= 0 else 128 - code
+                if self.stop_sent is None and _below_me():  # it ended and left processes behind
+                    self._stop(None)
+
+    def _stop(self, main_pid: int | None) -> None:
+        """SIGTERM: to the command (torchrun then stops its ranks in order) and to all the rest."""
+        self.stop_sent = time.monotonic()
+        if main_pid is not None and self.code is None:
+            try:
+                os.kill(main_pid, self.asked or signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        _signal_all(signal.SIGTERM)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m gpuflow.training.reaper", description=__doc__.splitlines()[0])
+    p.add_argument("--grace", type=float, default=grace_seconds(), help="seconds from SIGTERM to SIGKILL")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the command")
+    args = p.parse_args(argv)
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not cmd:
+        p.error("no command given after --")
+    return Reaper(cmd, args.grace).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
