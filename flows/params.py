@@ -208,8 +208,8 @@ def check_collect(patterns: list[str]) -> list[str]:
 
 
 # The train pipeline's device, launch and tracking fields, shared as they are declared there.
-SCRIPT_SHARED = ("gpus", "backend", "min_free_mb", "skip_busy", "cpu_processes", "max_restarts", "experiment",
-                 "run_name", "registered_model", "tracking_uri", "runs_dir")
+SCRIPT_SHARED = ("gpus", "backend", "min_free_mb", "skip_busy", "cpu_processes", "max_restarts", "dist_timeout_s",
+                 "experiment", "run_name", "registered_model", "tracking_uri", "runs_dir")
 _ScriptBase = create_model("_ScriptBase", __config__=ConfigDict(extra="forbid"),
                            **{k: (PipelineParams.model_fields[k].annotation, PipelineParams.model_fields[k])
                               for k in SCRIPT_SHARED})

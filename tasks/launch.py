@@ -12,7 +12,7 @@ import json
 import logging
 import os
 import queue
-import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -25,16 +25,13 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from gpuflow.training.errors import UserError
+from gpuflow.training.contract import DIST_TIMEOUT_ENV, ERROR_DIR_ENV, describe, read_error
 from gpuflow.training.reaper import grace_seconds, start_supervised
 
 from .assign import DevicePlan
 from .cards import rank_lock_files
 
 TAIL_LINES = 40
-WORKER_ERROR = re.compile(r"\[rank \d+\] error: (.*)")  # how training/__main__.py reports a refusal
-# the last line of a Python traceback in a user's script ("[rank0]: ValueError: ..." under torchrun)
-SCRIPT_ERROR = re.compile(r"^(?:\[rank\d+\]:\s*)*((?!torch\.distributed\.elastic)[A-Za-z_][\w.]*"
-                          r"(?:Error|Exception|Interrupt|Exit)\b:?.*)$")
 ATTEMPT_ENV = "GPUFLOW_LAUNCH_ATTEMPT"  # a Prefect retry of the launch is a restart for the worker
 
 
@@ -114,10 +111,9 @@ def _pump(stream, name: str, q: queue.Queue) -> None:
 
 
 def run_child(cmd: list[str], env: dict, cwd: Path, log: logging.Logger | logging.LoggerAdapter,
-              hold_fds: tuple[int, ...] = (), log_file: Path | None = None,
-              error: re.Pattern = WORKER_ERROR) -> tuple[int, list[str], list[str]]:
+              hold_fds: tuple[int, ...] = (), log_file: Path | None = None) -> tuple[int, list[str]]:
     """Run cmd, forwarding each output line to `log` (and `log_file`) as it arrives; returns
-    (code, its last lines, the errors found by `error`: by default the workers' `[rank N] error:` lines).
+    (its exit code, its last lines).
 
     The child runs under the reaper (training/reaper.py) in a session of its own: a Ctrl-C
     reaches this process, which stops it in order; when it ends, is stopped, or this process
@@ -126,7 +122,6 @@ def run_child(cmd: list[str], env: dict, cwd: Path, log: logging.Logger | loggin
     stay open until then.
     """
     tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
-    errors: list[str] = []
     proc = start_supervised(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, bufsize=1, start_new_session=True, pass_fds=hold_fds)
     if log_file is not None:
@@ -145,12 +140,10 @@ def run_child(cmd: list[str], env: dict, cwd: Path, log: logging.Logger | loggin
                 open_streams -= 1
                 continue
             tail.append(line)
-            if (found := error.search(line)) and len(errors) < 4:
-                errors.append(found.group(1))
             (log.warning if name == "stderr" and "error" in line.lower() else log.info)(line)
             if out is not None:
                 out.write(line + "\n")
-        return proc.wait(), list(tail), list(dict.fromkeys(errors))
+        return proc.wait(), list(tail)
     finally:
         if proc.poll() is None:  # we are being cancelled or failed: take the whole group down
             _terminate(proc)
@@ -168,6 +161,23 @@ def _terminate(proc: subprocess.Popen) -> None:
         proc.wait()
     except ProcessLookupError:
         pass
+
+
+def error_folder(workdir: Path) -> dict:
+    """Where the ranks of this launch leave their errors (training/contract.py), emptied first."""
+    folder = workdir / "errors"
+    shutil.rmtree(folder, ignore_errors=True)
+    return {ERROR_DIR_ENV: str(folder)}
+
+
+def failure(what: str, code: int, workdir: Path, tail: list[str], log_name: str) -> TrainingFailed:
+    """The failure as one first line naming its cause (the first rank's own exception and where
+    it was raised), then the last lines of output."""
+    record = read_error(workdir / "errors")
+    last = next((line for line in reversed(tail) if line.strip()), "no output")
+    cause = describe(record) if record else f"exited with code {code}; its last line: {last.strip()[:500]}"
+    return TrainingFailed(f"{what} failed: {cause}\nlast output (all of it in the run's logs/{log_name}):\n"
+                          + "\n".join(tail[-15:]))
 
 
 def child_environment(plan: DevicePlan, metrics_file: Path | None = None) -> dict:
@@ -199,11 +209,10 @@ def launch(config: Path, plan: DevicePlan, opts: LaunchRequest, workdir: Path, l
     result.unlink(missing_ok=True)
     cmd = build_command(plan, opts, config, result)
     log.info("launching: %s", " ".join(cmd))
-    env = child_environment(plan, metrics_file) | {ATTEMPT_ENV: str(attempt)}
-    code, tail, errors = run_child(cmd, env, workdir, log, hold_fds, log_file=workdir / "logs" / "worker.log")
+    env = child_environment(plan, metrics_file) | {ATTEMPT_ENV: str(attempt), **error_folder(workdir)}
+    code, tail = run_child(cmd, env, workdir, log, hold_fds, log_file=workdir / "logs" / "worker.log")
     if code != 0:
-        why = f": {'; '.join(errors)}" if errors else ""
-        raise TrainingFailed(f"training exited with code {code}{why}; last output:\n" + "\n".join(tail[-15:]))
+        raise failure("training", code, workdir, tail, "worker.log")
     if not result.is_file():
         if opts.node_rank != 0:
             return {"node_rank": opts.node_rank, "final_metrics": {}}
@@ -227,6 +236,7 @@ class ScriptRequest(LaunchRequest, Protocol):
     script: str
     script_args: list[str]
     tracking_uri: str | None
+    dist_timeout_s: float
 
 
 def script_environment(plan: DevicePlan, workdir: Path, metrics_file: Path, tracking_uri: str) -> dict:
@@ -264,16 +274,17 @@ def launch_script(opts: ScriptRequest, plan: DevicePlan, workdir: Path, metrics_
     (workdir / "outputs").mkdir(parents=True, exist_ok=True)
     # per-rank logs (logs/ranks/<job>/attempt_<n>/<local rank>/std{out,err}.log, logged with the run)
     # and every console line tagged with its global rank
+    # run by gpuflow's runner, as `python script.py` would: whole lines, the run's collective
+    # timeout, and the script's own exception left for the flow (training/runscript.py)
     cmd = [*torchrun(plan, opts), f"--log-dir={workdir / 'logs' / 'ranks'}", "--tee=3",
-           "--log-line-prefix-template=[rank${rank}]:", opts.script, *opts.script_args]
+           "--log-line-prefix-template=[rank${rank}]:", "-m", "gpuflow.training.runscript", opts.script,
+           *opts.script_args]
     log.info("launching: %s", " ".join(cmd))
     env = script_environment(plan, workdir, metrics_file, opts.tracking_uri or default_tracking_uri())
-    code, tail, errors = run_child(cmd, env, Path.cwd(), log, hold_fds, log_file=workdir / "logs" / "script.log",
-                                   error=SCRIPT_ERROR)
+    env |= {**error_folder(workdir), DIST_TIMEOUT_ENV: str(opts.dist_timeout_s)}
+    code, tail = run_child(cmd, env, Path.cwd(), log, hold_fds, log_file=workdir / "logs" / "script.log")
     if code != 0:
-        why = f": {'; '.join(errors)}" if errors else ""
-        raise TrainingFailed(f"{Path(opts.script).name} exited with code {code}{why}; last output (all of it in "
-                             "the run's logs/script.log):\n" + "\n".join(tail[-15:]))
+        raise failure(Path(opts.script).name, code, workdir, tail, "script.log")
 
 
 def check_resume(cfg, num_classes: int | None, input_shape: list[int] | None) -> None:

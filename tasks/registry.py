@@ -103,7 +103,7 @@ def run_on_device(checkpoint: Path, plan: DevicePlan, log, *args: str, hold_fds:
         out = Path(d) / "result.json"
         cmd = [sys.executable, "-m", "gpuflow.training.evaluate", "--checkpoint", str(checkpoint),
                "--device", plan.device, "--result", str(out), *args]
-        code, tail, _ = run_child(cmd, child_environment(plan), Path.cwd(), log, hold_fds)
+        code, tail = run_child(cmd, child_environment(plan), Path.cwd(), log, hold_fds)
         report = json.loads(out.read_text()) if out.is_file() else None
         if code == 2 and report and "error" in report:
             raise EvaluationRefused(report["error"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -182,7 +183,7 @@ def test_a_seed_style_script_runs_unchanged_in_one_run_with_its_own_metrics_and_
     c = client(folder)
     (run,) = c.search_runs([c.get_experiment_by_name("gpuflow").experiment_id])
     assert run.info.run_id == out["run_id"] and run.info.status == "FINISHED"
-    assert run.info.run_name != "my-own-name" and run.info.run_name.startswith("train-ddp-x2-")
+    assert run.info.run_name != "my-own-name" and re.fullmatch(r"train-[0-9a-f]{6}", run.info.run_name)
     assert run.data.params["lr"] == "0.05" and run.data.params["gpuflow.script_args"] == '["--epochs", "3"]'
     assert [m.step for m in c.get_metric_history(run.info.run_id, "loss")] == [0, 1, 2]  # the script's own
     assert out["checkpoint"] and "prefixes stripped" in run.data.tags["gpuflow.checkpoint"]
@@ -249,11 +250,15 @@ def test_bad_scripts_are_refused_or_fail_with_their_own_error(tmp_path, api_url)
     for args, message in cases.items():
         out = gpuflow(["run", *args], folder, api_url)
         assert out.returncode == 2 and message in out.stderr, out.stderr[-2000:]
-    out = gpuflow(["run", "--script", "boom.py", "--cpu-processes", "2", "--max-restarts", "0"], folder, api_url)
-    assert out.returncode == 1 and "boom.py exited with code 1" in out.stderr, out.stderr[-3000:]
+    out = gpuflow(["run", "--script", "boom.py", "--cpu-processes", "2", "--max-restarts", "1"], folder, api_url)
+    cause = ("boom.py failed: ValueError: bad learning rate schedule: warmup longer than training "
+             f"(at {folder / 'boom.py'}, line 4; rank ")
+    assert out.returncode == 1 and out.stderr.strip().splitlines()[-1].startswith(f"gpuflow run: {cause}"), \
+        out.stderr[-3000:]
+    assert "not run again" in out.stderr  # failed before any progress: the restart does not run it again
     c = client(folder)
     (run,) = c.search_runs([c.get_experiment_by_name("gpuflow").experiment_id])
-    assert run.info.status == "FAILED" and "warmup longer than training" in run.data.tags["error"]
+    assert run.info.status == "FAILED" and run.data.tags["error"].startswith(f"TrainingFailed: {cause}")
 
 
 def test_sigterm_to_the_flow_ends_the_run_killed_and_stops_every_rank(tmp_path, api_url):

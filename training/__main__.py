@@ -8,10 +8,12 @@ import io
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 from pydantic import ValidationError
 
+from . import contract
 from .cardlock import hold_card_locks
 from .errors import TrainingDiverged, UserError
 from .files import atomic_write, write_json_atomic
@@ -98,16 +100,35 @@ def main(argv=None) -> int:
     if "TORCHELASTIC_RUN_ID" in os.environ:  # under torchrun: never outlive the agent
         die_with_parent(signal.SIGKILL)
     exit_on_sigterm()
+    for stream in (sys.stdout, sys.stderr):  # one write per line: ranks' lines never merge in the console
+        stream.reconfigure(line_buffering=True, write_through=False)
+    if contract.replay_deterministic():  # the attempt before failed the same way before any progress
+        return 2
+    started = time.time()
     try:
         hold_card_locks()  # before the card is touched: no new run gets it until this process is gone
         run(args.config, args.result, freeze_imports=True)
     except (UserError, ValidationError) as e:
         print(f"[rank {rank}] error: {e}", file=sys.stderr, flush=True)
+        contract.write_error(e, deterministic=True)
         return 2
     except TrainingDiverged as e:
         print(f"[rank {rank}] error: {e}", file=sys.stderr, flush=True)
+        contract.write_error(e, deterministic=True)
         return 3
+    except Exception as e:  # the user's code, or a bug: its traceback, and the cause for the flow
+        contract.write_error(e, deterministic=not contract.made_progress(started, _checkpoint_dir(args.config)))
+        raise
     return 0
+
+
+def _checkpoint_dir(config_path: str) -> str | None:
+    import json
+
+    try:
+        return json.loads(Path(config_path).read_text()).get("checkpoint_dir")
+    except (OSError, ValueError):
+        return None
 
 
 if __name__ == "__main__":

@@ -1,0 +1,126 @@
+"""A failure inside a rank names its cause in one line (training/contract.py): the user's own
+exception and file:line are the console's last line and the run's `error` tag; a failure
+before any progress is not run again by a restart; ranks' lines reach the console whole; a
+script's collectives time out with the run's --dist-timeout-s."""
+
+from __future__ import annotations
+
+import re
+import textwrap
+from pathlib import Path
+
+import mlflow
+
+from tests.test_user_code import api_url, gpuflow  # noqa: F401  (the session's Prefect server)
+
+MODEL_AND_DATA = """
+    import torch
+    from pathlib import Path
+    from torch import nn
+    from torch.utils.data import Dataset
+
+    class Net(nn.Module):
+        def __init__(self, num_classes=3):
+            super().__init__()
+            self.fc = nn.Linear(4, num_classes)
+        def forward(self, x):
+            return self.fc(x)
+
+    class Samples(Dataset):
+        def __len__(self):
+            return 64
+        def __getitem__(self, i):
+            if i == 30:
+                with open(Path(__file__).with_name("raised.txt"), "a") as f:
+                    f.write("raised\\n")
+                raise ValueError(f"sample {i} is corrupt")
+            return torch.full((4,), float(i)), i % 3
+
+    def datasets(root):
+        return Samples(), torch.utils.data.TensorDataset(torch.zeros(8, 4), torch.arange(8) % 3)
+"""
+
+
+def write(folder: Path, name: str, code: str) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / name).write_text(textwrap.dedent(code))
+    return folder
+
+
+def runs(folder: Path) -> list:
+    c = mlflow.MlflowClient(f"sqlite:///{folder / 'mlflow.db'}")
+    return c.search_runs([c.get_experiment_by_name("gpuflow").experiment_id])
+
+
+def test_an_exception_in_a_users_dataset_is_the_last_line_and_the_tag_and_is_not_run_again(tmp_path, api_url):
+    folder = write(tmp_path, "proj.py", MODEL_AND_DATA)
+    out = gpuflow(["run", "--model", "proj.py:Net", "--dataset", "proj.py:datasets", "--epochs", "2", "--gpus", "cpu",
+                   "--cpu-processes", "2", "--max-restarts", "1"], folder, api_url)
+    assert out.returncode == 1, out.stderr[-3000:]
+    last = out.stderr.strip().splitlines()[-1]
+    line = 1 + next(n for n, text in enumerate(MODEL_AND_DATA.splitlines()) if "raise ValueError" in text)
+    assert re.fullmatch(rf"gpuflow run: training failed: ValueError: sample 30 is corrupt "
+                        rf"\(at {re.escape(str(folder / 'proj.py'))}, line {line}; rank [01]\)", last), last
+    (run,) = runs(folder)
+    assert run.info.status == "FAILED" and last.removeprefix("gpuflow run: ") in run.data.tags["error"]
+    # it raised before the first checkpoint: the restart reported it without running it again
+    assert (folder / "raised.txt").read_text().count("raised") == 1
+    assert "not run again" in out.stderr
+
+
+def test_a_syntax_error_in_a_script_names_its_file_and_line(tmp_path, api_url):
+    folder = write(tmp_path, "bad.py", "import torch\n\ndef broken(:\n    pass\n")
+    out = gpuflow(["run", "--script", "bad.py", "--gpus", "cpu", "--cpu-processes", "2"], folder, api_url)
+    assert out.returncode == 1, out.stderr[-3000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("gpuflow run: bad.py failed: SyntaxError: ") and f"(at {folder / 'bad.py'}, line 3;" in last, last
+
+
+def test_a_directory_given_as_the_script_is_named_as_one(tmp_path, api_url):
+    (tmp_path / "scripts").mkdir()
+    out = gpuflow(["run", "--script", "scripts"], tmp_path, api_url)
+    assert out.returncode == 2 and "is a directory" in out.stderr.strip().splitlines()[-1], out.stderr[-2000:]
+
+
+CHATTY = MODEL_AND_DATA.replace("if i == 30:", "if False:") + """
+    import os, sys
+    rank = os.environ.get("RANK", "0")
+    for i in range(1500):  # on import, in every rank at once
+        print(f"rank {rank} line {i} " + "x" * 60)
+        print(f"rank {rank} err {i}", file=sys.stderr)
+"""
+
+
+def test_every_line_of_every_rank_reaches_the_console_whole(tmp_path, api_url):
+    folder = write(tmp_path, "chatty.py", CHATTY)
+    out = gpuflow(["run", "--model", "chatty.py:Net", "--dataset", "chatty.py:datasets", "--epochs", "1",
+                   "--gpus", "cpu", "--cpu-processes", "2"], folder, api_url)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (run,) = runs(folder)
+    log = (folder / "runs" / run.info.run_id / "logs" / "worker.log").read_text().splitlines()
+    mine = [line for line in log if " line " in line or " err " in line]
+    good = re.compile(r"rank ([01]) (line \d+ x{60}|err \d+)")
+    bad = [line for line in mine if not good.fullmatch(line)]
+    assert not bad and len(mine) == 2 * 2 * 1500, (len(mine), bad[:5])
+
+
+HANGING = """
+    import time, torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 0:
+        dist.all_reduce(torch.ones(1))  # rank 1 never joins it
+    else:
+        time.sleep(300)
+"""
+
+
+def test_a_script_stuck_in_a_collective_fails_after_the_runs_dist_timeout(tmp_path, api_url):
+    folder = write(tmp_path, "hang.py", HANGING)
+    out = gpuflow(["run", "--script", "hang.py", "--gpus", "cpu", "--cpu-processes", "2", "--max-restarts", "0",
+                   "--dist-timeout-s", "10"], folder, api_url)
+    assert out.returncode == 1, out.stderr[-3000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("gpuflow run: hang.py failed: ") and "collective timeout (10 s, --dist-timeout-s)" in last, last
+    assert f"(at {folder / 'hang.py'}, line 5; rank 0)" in last
+    (run,) = runs(folder)
+    assert run.info.status == "FAILED"

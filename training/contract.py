@@ -1,0 +1,122 @@
+"""What the flow and the ranks agree on across the process boundary (torch-free): the
+structured error a failing rank leaves for the flow, instead of text parsed back out of logs.
+
+A rank that raises writes `<GPUFLOW_ERROR_DIR>/attempt-<n>/rank-<r>.json`: the exception's
+type and message, the file and line of the innermost frame of the user's code (else the
+innermost frame), the rank, the torchrun attempt, when, and whether the failure is
+*deterministic*: a refusal of bad input, or an exception before the attempt made any
+progress (no checkpoint or output written since it started). Running it again would fail the
+same way, so a restarted rank that finds such an error of the attempt before does not run
+the code again: it reports the same error and exits at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ERROR_DIR_ENV = "GPUFLOW_ERROR_DIR"
+DIST_TIMEOUT_ENV = "GPUFLOW_DIST_TIMEOUT_S"  # a user script's default collective timeout (runscript.py)
+_OURS = (str(Path(__file__).resolve().parent), str(Path(os.__file__).resolve().parent))  # gpuflow's and the stdlib
+
+
+def _attempt() -> int:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", 0))
+
+
+def where(exc: BaseException) -> tuple[str | None, int | None]:
+    """(file, line) where `exc` was raised: for a SyntaxError the file it is in, else the innermost
+    frame outside gpuflow, the standard library and installed packages, else the innermost one."""
+    if isinstance(exc, SyntaxError) and exc.filename:
+        return exc.filename, exc.lineno
+    frames = traceback.extract_tb(exc.__traceback__)
+    users = [f for f in frames if not f.filename.startswith(_OURS) and "-packages" not in f.filename
+             and not f.filename.startswith("<")]
+    frame = (users or frames or [None])[-1]
+    return (frame.filename, frame.lineno) if frame else (None, None)
+
+
+def made_progress(since: float, *folders: str | os.PathLike | None, top_level: str | os.PathLike | None = None) -> bool:
+    """Whether a file was written after `since` anywhere under `folders` (checkpoints, outputs)
+    or directly in `top_level` (a tutorial's snapshot.pt in the working folder)."""
+    def newer(paths) -> bool:  # hidden files (locks, temp files of atomic writes) are not progress
+        return any(not p.name.startswith(".") and p.is_file() and p.stat().st_mtime > since for p in paths)
+
+    return (any(f and Path(f).is_dir() and newer(Path(f).rglob("*")) for f in folders)
+            or bool(top_level and newer(Path(top_level).iterdir())))
+
+
+def _between_ranks(exc: BaseException) -> bool:
+    """A failure of the link between ranks (a peer died, a collective broke): the cause is
+    elsewhere, and may not come back on a restart."""
+    text = f"{type(exc).__name__} {exc}"
+    return any(k in text for k in ("DistBackendError", "DistNetworkError", "DistStoreError", "gloo", "NCCL",
+                                   "Connection", "connection"))
+
+
+def write_error(exc: BaseException, deterministic: bool, hint: str = "") -> None:
+    """Leave this rank's error for the flow (nothing when no flow asked for it)."""
+    folder = os.environ.get(ERROR_DIR_ENV)
+    if not folder:
+        return
+    file, line = where(exc)
+    message = (str(exc).strip().splitlines() or [""])[-1 if isinstance(exc, SyntaxError) else 0][:2000]
+    _write({"type": type(exc).__name__, "message": message + hint, "file": file, "line": line,
+            "rank": _rank(), "attempt": _attempt(), "time": time.time(),
+            "deterministic": deterministic and not _between_ranks(exc)}, folder)
+
+
+def _write(record: dict, folder: str) -> None:
+    out = Path(folder) / f"attempt-{_attempt()}" / f"rank-{_rank()}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record))
+    tmp.replace(out)
+
+
+def _records(folder: Path) -> list[dict]:
+    found = []
+    for f in folder.glob("rank-*.json"):
+        try:
+            found.append(json.loads(f.read_text()))
+        except (OSError, ValueError):
+            pass
+    return sorted(found, key=lambda r: r["time"])  # the first to fail is the cause; the others follow it
+
+
+def replay_deterministic() -> dict | None:
+    """In a restarted rank: the attempt before's deterministic error, now reported for this one
+    too (the caller exits with it instead of running the same code again); None otherwise."""
+    folder, attempt = os.environ.get(ERROR_DIR_ENV), _attempt()
+    if not folder or attempt == 0:
+        return None
+    before = [r for r in _records(Path(folder) / f"attempt-{attempt - 1}") if r["deterministic"]]
+    if not before:
+        return None
+    _write(before[0] | {"rank": _rank(), "attempt": attempt}, folder)
+    print(f"[rank {_rank()}] not run again: {describe(before[0])} (the attempt before failed the same way "
+          "before any progress)", file=sys.stderr, flush=True)
+    return before[0]
+
+
+def read_error(folder: str | os.PathLike) -> dict | None:
+    """For the flow: the first error of the last attempt that left any, or None."""
+    attempts = sorted(Path(folder).glob("attempt-*"), key=lambda p: int(p.name.split("-")[1]))
+    for attempt in reversed(attempts):
+        if records := _records(attempt):
+            return records[0]
+    return None
+
+
+def describe(record: dict) -> str:
+    """`Type: message (at file, line N; rank R)`: the cause, in one line."""
+    at = f"at {record['file']}, line {record['line']}; " if record.get("file") else ""
+    return f"{record['type']}: {record['message']} ({at}rank {record['rank']})"
