@@ -28,8 +28,8 @@ from pathlib import Path
 from prefect.runtime import deployment
 
 from gpuflow.training.errors import UserError
-from gpuflow.training.refs import (REFERENCE_FIELDS, CodeReferenceError, is_file_reference, is_reference, resolve_defined,
-                                  split, top_package)
+from gpuflow.training.refs import (REFERENCE_FIELDS, CodeReferenceError, is_file_reference, is_reference,
+                                  resolve_defined, split, top_package)
 
 from .settings import Settings
 

@@ -222,9 +222,10 @@ class ScriptParams(_ScriptBase):
         description="your training script (.py), run by torchrun from the folder gpuflow runs in")
     script_args: list[str] = Field([], description="the script's own arguments (on the command line: "
                                    "everything after --)", json_schema_extra={"cli": "rest"})
-    collect: Annotated[list[str], AfterValidator(check_collect)] = Field([], description="glob patterns, relative to the working folder, of files the "
-                               "script writes outside GPUFLOW_OUTPUT_DIR to log as artifacts (e.g. "
-                               "[\"snapshot.pt\"]); the newest state dict among them is the run's checkpoint")
+    collect: Annotated[list[str], AfterValidator(check_collect)] = Field([], description=(
+        "glob patterns, relative to the working folder and staying inside it, of files the script writes "
+        "outside GPUFLOW_OUTPUT_DIR to log as artifacts (e.g. [\"snapshot.pt\"]); the newest state dict "
+        "among them is the run's checkpoint"))
     strategy: Literal["auto", "single", "ddp"] = Field(
         "auto", description="auto: one process per device; the script wraps its model itself (DDP or none)")
 

@@ -20,7 +20,7 @@ from gpuflow.tasks import orphans, results, store, tracking
 from gpuflow.tasks.assign import DevicePlan, assign_devices
 from gpuflow.tasks.cards import card_locks, device_slot
 from gpuflow.tasks.data import DatasetInfo, prepare_dataset
-from gpuflow.tasks.launch import launch_training, preflight
+from gpuflow.tasks.launch import TrainingFailed, launch_training, preflight
 from gpuflow.tasks.probe import EnvironmentReport, probe_environment
 from gpuflow.training.errors import UserError
 from gpuflow.training.refs import check_references
@@ -45,12 +45,15 @@ class StepTimer:
             self.seconds[step] = round(time.perf_counter() - start, 3)
 
 
-def retry_unless_user_error(task, task_run, state) -> bool:
-    """Retry a flaky download, not a refusal: bad input stays bad on the next attempt."""
+def retry_unless_it_repeats(task, task_run, state) -> bool:
+    """Retry what a retry can mend (a flaky download, a rank killed outright), never a refusal
+    of bad input or a failure the ranks said would only repeat."""
     try:
         state.result()
     except UserError:
         return False
+    except TrainingFailed as e:
+        return not e.deterministic
     except Exception:
         return True
     return True
@@ -116,7 +119,7 @@ def pipeline(params: PipelineParams) -> dict:
         config = params.train_config(plan)  # the worker's config before the run gives it a folder
         with timer("data"):  # only downloads can flake: retry those alone
             data = prepare_dataset.with_options(retries=2 if params.download else 0,
-                                                retry_condition_fn=retry_unless_user_error)(config)
+                                                retry_condition_fn=retry_unless_it_repeats)(config)
         with timer("preflight"):
             data.num_classes = preflight(params.train_config(plan, data_cache=data.cache), params, data,
                                          params.world_size(plan))
@@ -146,10 +149,15 @@ def train(params: PipelineParams, plan: DevicePlan, data: DatasetInfo, report: E
     run.log_params(params.run_params(config, plan))
     run.log_json(report.model_dump(mode="json"), "environment_report.json", "environment")
     run.log_json(plan.model_dump(mode="json"), "device_plan.json", "environment")
-    launch = launch_training.with_options(retries=params.launch_retries)
+    launch = launcher(params)
     with timer("launch"), run.relaying_metrics():
         return launch(config.to_json(run.workdir / "config.json"), plan, params, run.workdir, run.metrics_file,
                       hold_fds=cards)
+
+
+def launcher(params: PipelineParams):
+    """The launch task with the run's Prefect retries (--launch-retries), spent only where they can help."""
+    return launch_training.with_options(retries=params.launch_retries, retry_condition_fn=retry_unless_it_repeats)
 
 
 def train_node(params: PipelineParams, plan: DevicePlan, data: DatasetInfo, timer: StepTimer,
@@ -158,8 +166,7 @@ def train_node(params: PipelineParams, plan: DevicePlan, data: DatasetInfo, time
     workdir = Path(params.runs_dir).resolve() / f"node{params.node_rank}-{uuid.uuid4().hex[:8]}"
     config = params.train_config(plan, workdir, data.cache, data.num_classes).to_json(workdir / "config.json")
     with timer("launch"):
-        result = launch_training.with_options(retries=params.launch_retries)(config, plan, params, workdir,
-                                                                             hold_fds=cards)
+        result = launcher(params)(config, plan, params, workdir, hold_fds=cards)
     return {"node_rank": params.node_rank, "result": result, "timings": timer.seconds}
 
 

@@ -50,7 +50,12 @@ class RendezvousError(UserError):
 
 
 class TrainingFailed(RuntimeError):
-    """The worker exited non-zero; the message carries its last lines of output."""
+    """The worker exited non-zero; the message names the cause, then its last lines of output.
+    `deterministic`: the ranks said running it again would fail the same way."""
+
+    def __init__(self, message: str, deterministic: bool = False):
+        super().__init__(message)
+        self.deterministic = deterministic
 
 
 def port_in_use(host: str, port: int) -> bool:
@@ -177,7 +182,7 @@ def failure(what: str, code: int, workdir: Path, tail: list[str], log_name: str)
     last = next((line for line in reversed(tail) if line.strip()), "no output")
     cause = describe(record) if record else f"exited with code {code}; its last line: {last.strip()[:500]}"
     return TrainingFailed(f"{what} failed: {cause}\nlast output (all of it in the run's logs/{log_name}):\n"
-                          + "\n".join(tail[-15:]))
+                          + "\n".join(tail[-15:]), deterministic=bool(record and record["deterministic"]))
 
 
 def child_environment(plan: DevicePlan, metrics_file: Path | None = None) -> dict:

@@ -124,3 +124,18 @@ def test_a_script_stuck_in_a_collective_fails_after_the_runs_dist_timeout(tmp_pa
     assert f"(at {folder / 'hang.py'}, line 5; rank 0)" in last
     (run,) = runs(folder)
     assert run.info.status == "FAILED"
+
+
+def test_a_prefect_retry_of_the_launch_is_spent_only_where_it_can_help():
+    from prefect.states import Failed
+
+    from gpuflow.flows.train import retry_unless_it_repeats
+    from gpuflow.tasks.launch import TrainingFailed
+    from gpuflow.training.errors import UserError
+
+    def retried(exc: BaseException) -> bool:
+        return retry_unless_it_repeats(None, None, Failed(data=exc))
+
+    assert retried(TrainingFailed("training failed: exited with code -9"))  # killed outright: may pass next time
+    assert not retried(TrainingFailed("training failed: ValueError: ...", deterministic=True))
+    assert not retried(UserError("bad value"))
