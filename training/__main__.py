@@ -110,11 +110,11 @@ def main(argv=None) -> int:
         run(args.config, args.result, freeze_imports=True)
     except (UserError, ValidationError) as e:
         print(f"[rank {rank}] error: {e}", file=sys.stderr, flush=True)
-        contract.write_error(e, deterministic=True)
+        contract.write_error(e, deterministic=True, located=False)
         return 2
     except TrainingDiverged as e:
         print(f"[rank {rank}] error: {e}", file=sys.stderr, flush=True)
-        contract.write_error(e, deterministic=True)
+        contract.write_error(e, deterministic=True, located=False)
         return 3
     except Exception as e:  # the user's code, or a bug: its traceback, and the cause for the flow
         contract.write_error(e, deterministic=not contract.made_progress(started, _checkpoint_dir(args.config)))

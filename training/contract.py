@@ -62,12 +62,13 @@ def _between_ranks(exc: BaseException) -> bool:
                                    "Connection", "connection"))
 
 
-def write_error(exc: BaseException, deterministic: bool, hint: str = "") -> None:
-    """Leave this rank's error for the flow (nothing when no flow asked for it)."""
+def write_error(exc: BaseException, deterministic: bool, hint: str = "", located: bool = True) -> None:
+    """Leave this rank's error for the flow (nothing when no flow asked for it). `located`:
+    name where it was raised (not for gpuflow's own refusals, whose message says it all)."""
     folder = os.environ.get(ERROR_DIR_ENV)
     if not folder:
         return
-    file, line = where(exc)
+    file, line = where(exc) if located else (None, None)
     message = (str(exc).strip().splitlines() or [""])[-1 if isinstance(exc, SyntaxError) else 0][:2000]
     _write({"type": type(exc).__name__, "message": message + hint, "file": file, "line": line,
             "rank": _rank(), "attempt": _attempt(), "time": time.time(),
