@@ -215,3 +215,19 @@ def test_a_script_that_links_out_of_its_output_folder_logs_only_its_own_files(tm
     logged = {a.path for a in client.list_artifacts(run.info.run_id, "outputs")}
     assert logged == {"outputs/w.pt"}
     assert "passwd (a link)" in run.data.tags["gpuflow.skipped"] and "etc (a link)" in run.data.tags["gpuflow.skipped"]
+
+
+def test_logging_a_finished_scripts_files_never_raises(tmp_path):
+    """What cannot be logged is skipped and named: the run of a script that finished stays FINISHED."""
+    files, skipped = scriptout.collected_files(["/etc/*", "model.pt"], tmp_path)  # absolute: glob refuses it
+    assert files == [] and len(skipped) == 1 and "/etc/*" in skipped[0]
+
+    class Refusing:  # a store that fails on every file
+        def log_artifact(self, *args):
+            raise OSError("disk full")
+
+    run = type("Run", (), {"client": Refusing(), "run_id": "r"})()
+    (tmp_path / "w.pt").write_text("x")
+    lost: list[str] = []
+    scriptout._log_file(run, tmp_path / "w.pt", "outputs", lost)
+    assert lost == [f"{tmp_path / 'w.pt'} (OSError: disk full)"]
