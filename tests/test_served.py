@@ -181,7 +181,7 @@ def test_cancelling_a_served_run_stops_its_ranks_and_ends_its_run_killed(served)
         time.sleep(1)
     launched = [p for p in psutil.process_iter(["cmdline"]) if "gpuflow.training" in (p.info["cmdline"] or [])
                 and str(served["base"]) in " ".join(p.info["cmdline"])]
-    assert len(launched) == 3  # torchrun's agent and two ranks
+    assert len(launched) == 4  # the reaper, torchrun's agent and two ranks
     cancel = _prefect(["flow-run", "cancel", flow_run_id], env)
     assert cancel.returncode == 0, cancel.stdout + cancel.stderr
     deadline = time.monotonic() + HANG_GUARD_S
