@@ -100,8 +100,7 @@ def main(argv=None) -> int:
     if "TORCHELASTIC_RUN_ID" in os.environ:  # under torchrun: never outlive the agent
         die_with_parent(signal.SIGKILL)
     exit_on_sigterm()
-    for stream in (sys.stdout, sys.stderr):  # one write per line: ranks' lines never merge in the console
-        stream.reconfigure(line_buffering=True, write_through=False)
+    contract.whole_lines()
     if contract.replay_deterministic():  # the attempt before failed the same way before any progress
         return 2
     started = time.time()

@@ -24,6 +24,13 @@ DIST_TIMEOUT_ENV = "GPUFLOW_DIST_TIMEOUT_S"  # a user script's default collectiv
 _OURS = (str(Path(__file__).resolve().parent), str(Path(os.__file__).resolve().parent))  # gpuflow's and the stdlib
 
 
+def whole_lines() -> None:
+    """One write per line on stdout and stderr (line buffering, no write-through): lines of
+    ranks sharing a pipe, or tailed from their files by torchrun, never merge or split."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.reconfigure(line_buffering=True, write_through=False)
+
+
 def _attempt() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
 

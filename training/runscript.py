@@ -24,11 +24,6 @@ from . import contract
 from .metrics import OUTPUT_DIR_ENV
 
 
-def _line_buffered() -> None:
-    for stream in (sys.stdout, sys.stderr):
-        stream.reconfigure(line_buffering=True, write_through=False)
-
-
 def _set_dist_timeout() -> float | None:
     seconds = os.environ.get(contract.DIST_TIMEOUT_ENV)
     if not seconds:
@@ -55,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv:
         print("usage: python -m gpuflow.training.runscript SCRIPT.py [ARGS...]", file=sys.stderr)
         return 2
-    _line_buffered()
+    contract.whole_lines()
     if contract.replay_deterministic():
         return 1
     script = str(Path(argv[0]).resolve())
