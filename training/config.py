@@ -16,6 +16,7 @@ from . import refs
 from .errors import UserError
 
 MODELS = ("mlp", "cnn", "resnet18")
+OBJECTIVES = ("classification", "model-loss")  # training/objective.py implements them
 BUILTIN_MODELS_MODULE = "gpuflow.training.models"  # where the built-ins live (torch-free name for the flow)
 BUILTIN_DATASETS = ("digits", "synthetic", "mnist", "fashion-mnist", "cifar10")
 Precision = Literal["fp32", "bf16", "fp16"]
@@ -58,8 +59,9 @@ class TrainConfig(BaseModel):
         "file.py:factory, returning (train, val) datasets",
     )
     objective: str = Field(
-        "classification", description="classification (cross-entropy, accuracy), or your own loss/metrics: "
-        "package.module:Name or file.py:Name (see gpuflow/training/objective.py)")
+        "classification", description="classification (cross-entropy, accuracy), model-loss (the model's own "
+        "loss, given the target as labels=), or your own loss/metrics: package.module:Name or file.py:Name "
+        "(see gpuflow/training/objective.py)")
     data_root: str = Field("data", validate_default=True, description="folder holding torchvision datasets")
     download: bool = Field(False, description="download torchvision datasets if missing")
     val_fraction: float = Field(0.2, gt=0, lt=1, description="share held out for validation")
@@ -105,7 +107,7 @@ class TrainConfig(BaseModel):
     def _builtin_or_reference(cls, v: str, info) -> str:
         if refs.is_reference(v):
             return refs.normalize(v)
-        builtins = MODELS if info.field_name == "model" else ("classification",)
+        builtins = MODELS if info.field_name == "model" else OBJECTIVES
         if v not in builtins:
             raise ValueError(f"unknown {info.field_name} {v!r}; choose one of {', '.join(builtins)}, or name your "
                              "own as package.module:Name or file.py:Name")

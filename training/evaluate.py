@@ -109,7 +109,8 @@ def evaluate(checkpoint: str, split: str = "val", device: str = "auto", batch_si
     with torch.no_grad():
         for batch in loader:
             inputs, target = split_batch(apply(batch, lambda t: t.to(dev)))
-            totals.add(call_model(model, inputs), target, batch_len(target if target is not None else inputs))
+            totals.add(objective.forward(model, inputs, target), target,
+                       batch_len(target if target is not None else inputs))
     metrics = totals.means()
     if objective.epoch_metrics:
         found = objective.epoch_metrics(concat(totals.outputs), concat(totals.targets))

@@ -14,6 +14,13 @@ user code (`--objective myproj.losses:Regression`), one of:
   metrics that need it (AUC, F1); and `monitor` (a metric name, default "loss") with
   `mode` ("min" or "max"), what the retrain flow compares;
 - a loss function or an `nn.Module` loss class (e.g. `torch.nn:MSELoss`): the loss alone.
+
+The model is called with the batch's inputs alone: the target goes to the objective. A model
+that computes its own loss when given its labels (Hugging Face style, `labels=`) gets them
+when the objective says so with `pass_target_as = "labels"` (the keyword's name); its loss
+then reads the model's own, e.g. `output["loss"]`. `model-loss` is that objective built in:
+the target is passed as `labels` and the loss is the output's `loss` (a dict entry or an
+attribute), monitored as the validation loss.
 """
 
 from __future__ import annotations
@@ -24,8 +31,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from .config import OBJECTIVES
+
 TARGET_KEYS = ("target", "label", "labels", "y")
-CLASSIFICATION = "classification"
+CLASSIFICATION, MODEL_LOSS = OBJECTIVES
 
 
 # --- batches -------------------------------------------------------------------------
@@ -113,6 +122,21 @@ class Classification:
         return {"accuracy": ((self.scores(output).argmax(1) == target).sum(), len(target))}
 
 
+class ModelLoss:
+    """The model's own loss: the target is passed to the model as `labels`, the loss read back."""
+
+    pass_target_as = "labels"
+
+    @staticmethod
+    def loss(output, target) -> torch.Tensor:
+        loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"objective {MODEL_LOSS!r} reads the model's own loss, but its output has "
+                            f"{'no' if loss is None else 'a non-tensor'} `loss` ({shapes(output)}); return "
+                            "{'loss': ..., ...} (or an object with .loss) when the model is given labels")
+        return loss.mean()  # DataParallel gathers one loss per replica
+
+
 class Objective:
     """A user objective (or Classification) behind one interface; see the module's doc."""
 
@@ -125,6 +149,16 @@ class Objective:
         self.monitor = getattr(spec, "monitor", "loss")
         self.mode = getattr(spec, "mode", "min")
         self.is_classification = isinstance(spec, Classification)
+        self.pass_target_as = getattr(spec, "pass_target_as", None)
+
+    def forward(self, model: nn.Module, inputs, target):
+        """The model's output for a batch: its inputs, and its target too when the objective asks."""
+        if not self.pass_target_as or target is None:
+            return call_model(model, inputs)
+        given = {self.pass_target_as: target}
+        if isinstance(inputs, dict):
+            return model(**inputs, **given)
+        return model(*inputs, **given) if isinstance(inputs, tuple) else model(inputs, **given)
 
     def batch_metrics(self, output, target) -> dict[str, tuple[torch.Tensor, int]]:
         return dict(self.metrics(output, target)) if self.metrics else {}
@@ -134,6 +168,8 @@ def load_objective(name: str, code_root: str | None = None) -> Objective:
     """The objective a config names: `classification`, or a reference to user code."""
     if name == CLASSIFICATION:
         return Objective(Classification())
+    if name == MODEL_LOSS:
+        return Objective(ModelLoss())
     from .refs import CodeReferenceError, describe_error, resolve
 
     target = resolve(name, code_root, "objective")

@@ -16,7 +16,7 @@ from .config import TrainConfig
 from .data import load_data
 from .datacache import check_sizes
 from .errors import DatasetError, UserError
-from .objective import Classification, call_model, load_objective, shapes, split_batch
+from .objective import Classification, load_objective, shapes, split_batch
 from .refs import describe_error
 
 
@@ -35,8 +35,10 @@ def check_user_code(cfg: TrainConfig, world_size: int = 1) -> dict:
                            f"{describe_error(e)}; return tensors (or tuples/dicts of them) of one shape") from None
     inputs, target = split_batch(batch)
     what = f"model {cfg.model!r} on a batch of dataset {cfg.dataset!r}: inputs {shapes(inputs)}"
+    if objective.pass_target_as and target is not None:
+        what += f" and {objective.pass_target_as}={shapes(target)} (objective {cfg.objective!r} passes the target)"
     try:
-        out = call_model(model.eval(), inputs)
+        out = objective.forward(model.eval(), inputs, target)
     except Exception as e:
         raise UserError(f"{what} fails: {describe_error(e)}; make the model's input match the samples "
                         "(model_args, or the dataset's transform)") from None
@@ -48,6 +50,11 @@ def check_user_code(cfg: TrainConfig, world_size: int = 1) -> dict:
     except Exception as e:
         raise UserError(f"objective {cfg.objective!r}: its loss on outputs {shapes(out)} and target "
                         f"{shapes(target)} raised {describe_error(e)}") from None
+    if loss is None and not objective.pass_target_as:
+        raise UserError(f"objective {cfg.objective!r}: its loss returned None on outputs {shapes(out)}; gpuflow "
+                        "calls the model without the target (it goes to the objective), so a model that computes "
+                        "its own loss from labels had none: use --objective model-loss (passes it as labels=), or "
+                        "set pass_target_as = 'labels' on your objective")
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         got = f"shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else f"a {type(loss).__name__}"
         raise UserError(f"objective {cfg.objective!r}: its loss returned {got}; it must return a scalar tensor, "

@@ -160,7 +160,7 @@ class Trainer:
         sampler's padding left out), for the epoch's exact mean."""
         self.optimizer.zero_grad(set_to_none=True)
         with self._autocast():
-            out = call_model(self.model, inputs)
+            out = self.objective.forward(self.model, inputs, target)
             loss = self.objective.loss(out, target)
         self.scaler.scale(loss).backward()
         if self.cfg.grad_clip:
@@ -175,7 +175,11 @@ class Trainer:
             return torch.zeros((), dtype=torch.float64, device=self.device)
         with torch.no_grad(), self._autocast():  # only a rank's last batch: its padded samples
             head = (lambda t: t[:real])
-            return self.objective.loss(apply(out, head), apply(target, head)).detach().double() * real
+            if self.objective.pass_target_as:  # the model's own loss is the batch's: run the real samples again
+                out = self.objective.forward(self.model, apply(inputs, head), apply(target, head))
+            else:
+                out = apply(out, head)
+            return self.objective.loss(out, apply(target, head)).detach().double() * real
 
     def _batches(self, loader, desc: str):
         if self.ctx.is_main and sys.stderr.isatty():
@@ -221,7 +225,8 @@ class Trainer:
         for batch in self.val_loader:
             inputs, target = split_batch(self._to_device(batch))
             with self._autocast():
-                totals.add(call_model(model, inputs), target, batch_len(target if target is not None else inputs))
+                totals.add(self.objective.forward(model, inputs, target), target,
+                           batch_len(target if target is not None else inputs))
         names = list(totals.sums)
         reduced = all_reduce_sum([totals.sums[k].item() for k in names] + [totals.counts[k] for k in names], self.ctx)
         result = {f"val_{k}": reduced[i] / reduced[len(names) + i] for i, k in enumerate(names)}
