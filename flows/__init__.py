@@ -1,0 +1,29 @@
+"""gpuflow's flows, to call from Python (a Prefect user's own flow, a notebook):
+
+    from prefect import flow
+    from gpuflow.flows import prefect_api, train_pipeline
+
+    @flow
+    def my_flow():
+        out = train_pipeline(model="myproj.nets:Net", dataset="myproj.data:datasets", epochs=3)
+        return out["model_version"]
+
+    with prefect_api():  # gpuflow's temporary Prefect API, unless PREFECT_API_URL is set
+        my_flow()
+
+Each flow takes the same parameters as its `gpuflow` command and deployments (keyword
+arguments; `gpuflow run --help` lists them) and returns what the command prints as JSON.
+Imported on first use: `import gpuflow.flows` alone imports neither Prefect nor MLflow.
+"""
+
+from importlib import import_module
+
+PUBLIC = {"train_pipeline": ".train", "train_script": ".script", "retrain": ".retrain",
+          "evaluate_model": ".infer", "prefect_api": ".api", "InvalidParameters": ".calls"}
+__all__ = list(PUBLIC)
+
+
+def __getattr__(name: str):
+    if name not in PUBLIC:
+        raise AttributeError(f"module 'gpuflow.flows' has no attribute {name!r}")
+    return getattr(import_module(PUBLIC[name], __name__), name)

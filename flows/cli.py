@@ -32,15 +32,13 @@ from gpuflow.training.lifetime import exit_on_sigterm
 from gpuflow.training.refs import check_references
 
 from .api import prefect_api
+from .calls import one_line, quiet_libraries
 
 from .params import EvaluateParams, InferParams, PipelineParams, ScriptParams, origin_is, user_fields
 from .settings import Settings, server_command, ui_command
 
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
-# Default output is progress and result: MLflow's table-creation, system-metrics and
-# progress-bar chatter stays out unless asked for (set these to INFO / true to see it).
-os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
-os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+quiet_libraries()  # before MLflow is imported, which reads its logging level once
 
 REST = "rest"  # json_schema_extra={"cli": REST}: the field takes every argument after `--`
 
@@ -171,26 +169,6 @@ def parse(argv: list[str], p: argparse.ArgumentParser | None = None) -> tuple[st
     return command, model, ns
 
 
-SHOWN = 300  # characters of a value echoed in a refusal
-
-
-def cut(text: str, keep: int = SHOWN) -> str:
-    """`text`, or its start and end around how much was left out: a refusal stays one readable
-    line (and keeps its fix, at the end) whatever size the value it echoes."""
-    if len(text) <= 2 * keep:
-        return text
-    return f"{text[:keep]} ...[{len(text) - 2 * keep} characters cut]... {text[-keep:]}"
-
-
-def one_line(e: BaseException) -> str:
-    """A user error as one line: each bad value, what was wrong, no traceback."""
-    if isinstance(e, ValidationError):
-        return "; ".join((f"{'.'.join(map(str, err['loc']))}={cut(repr(err.get('input')), SHOWN // 2)}: "
-                          if err["loc"] else "") + cut(err["msg"].removeprefix("Value error, "))
-                         for err in e.errors())
-    return cut(str(e).replace("\n", " "))
-
-
 class UserErrorOnce(logging.Filter):
     """A user error raised inside a flow (or a training failure, whose output was streamed
     already) reaches the console once, as gpuflow's one line: Prefect's tracebacks and
@@ -317,6 +295,17 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"gpuflow {command}: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        from gpuflow.tasks.tracking import api_lost, lost_api_message
+
+        if not api_lost(e):
+            raise
+        # The run has ended (FAILED, nothing registered) and its processes are gone. Prefect's
+        # exit hooks would now retry every event it still holds against the dead API, ~7 s
+        # each, for minutes: end here instead, as a lost API must end the command.
+        print(f"gpuflow {command}: {lost_api_message(e)}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)
     if out is not None:
         print(json.dumps(out, indent=2))
     return 0

@@ -22,6 +22,8 @@ from gpuflow.tasks.assign import GPUS_HELP, DevicePlan, one_device, parse_gpus
 from gpuflow.training import TrainConfig
 from gpuflow.training.errors import UserError
 
+from .calls import entered
+
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9 ._-]{0,99}")
 URI_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql", "http", "https", "file", "databricks")
 
@@ -302,13 +304,13 @@ def flat_parameters(model: type[BaseModel]) -> Callable[[Callable[[Any], Any]], 
 
     Prefect builds a flow's parameters, its UI form and its deployments' defaults from the
     function's signature and docstring; this sets both from the one declaration, and the
-    call validates the values once, by building `model`.
+    call validates the values once, by building `model` (flows/calls.py: one line per bad value).
     """
     fields = user_fields(model)
 
     def wrap(fn: Callable[[Any], Any]) -> Callable[..., Any]:
         def flat(**values):
-            return fn(model(**values))
+            return fn(entered(model, values))
 
         flat.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
             [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY,

@@ -141,3 +141,16 @@ def end_run(client: MlflowClient, run_id: str, status: str, error: str | None = 
     else:
         client.set_terminated(run_id, status)
     return status
+
+
+def withdraw_versions(client: MlflowClient, run_id: str) -> list[str]:
+    """Delete the registered versions made from a run that then failed (a step after the
+    registration, or the flow's end, went wrong): no version ever points at a FAILED or KILLED
+    run. The run's `gpuflow.withdrawn_versions` tag names them; its checkpoint stays logged."""
+    gone = []
+    for mv in client.search_model_versions(f"run_id='{run_id}'"):
+        client.delete_model_version(mv.name, mv.version)
+        gone.append(f"{mv.name} v{mv.version}")
+    if gone:
+        client.set_tag(run_id, "gpuflow.withdrawn_versions", ", ".join(gone))
+    return gone

@@ -27,7 +27,7 @@ from mlflow.tracking import MlflowClient
 from gpuflow.training.metrics import parse_line
 
 from .orphans import owner_tags, reap_orphaned_runs
-from .store import checkpoint_wal, end_run, ensure_experiment, flat_params, prepare_store
+from .store import checkpoint_wal, end_run, ensure_experiment, flat_params, prepare_store, withdraw_versions
 
 
 def status_for(exc: BaseException | None) -> str:
@@ -52,7 +52,23 @@ def describe_stop(exc: BaseException) -> str:
                 "container stop, a cancellation)")
     if isinstance(exc, SystemExit):
         return f"stopped: the flow process exited with code {exc.code}"
+    if api_lost(exc):
+        return lost_api_message(exc)
     return f"{type(exc).__name__}: {exc}"
+
+
+def api_lost(exc: BaseException) -> bool:
+    """Whether `exc` is the Prefect API (or any HTTP peer of the flow) no longer answering."""
+    import httpx
+
+    return isinstance(exc, httpx.TransportError)
+
+
+def lost_api_message(exc: BaseException) -> str:
+    from prefect.settings import PREFECT_API_URL
+
+    return (f"the Prefect API at {PREFECT_API_URL.value() or '(temporary)'} stopped answering "
+            f"({type(exc).__name__}: {exc}); the run is not registered. Check the server and start the run again")
 
 
 # --- live metrics ------------------------------------------------------------------------
@@ -172,6 +188,8 @@ def tracked_run(uri: str, experiment: str, run_name: str, tags: dict, dataset: d
         status, error = status_for(e), describe_stop(e)
         raise
     finally:
+        if status != "FINISHED":
+            withdraw_versions(client, run.info.run_id)
         end_run(client, run.info.run_id, status, error)
         checkpoint_wal(uri)  # the store's file alone now shows this run
 
