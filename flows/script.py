@@ -16,6 +16,7 @@ env:// rendezvous exist as it expects), from the folder gpuflow runs in, with:
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from prefect import flow, get_run_logger, task
@@ -56,15 +57,16 @@ def train_script(params: ScriptParams) -> dict:
                 run.log_params(params.run_params(plan))
                 run.log_json(report.model_dump(mode="json"), "environment_report.json", "environment")
                 run.log_json(plan.model_dump(mode="json"), "device_plan.json", "environment")
+                launched = time.time()  # collected files older than this were not written by the script
                 try:
                     with run.relaying_metrics():
                         launch_script(params, plan, run.workdir, run.metrics_file, locks.fds)
                 except TrainingFailed:  # the failed script's files and logs are kept in the run too
-                    collect_outputs(run, params.collect)
+                    collect_outputs(run, params.collect, launched)
                     raise
                 finally:
                     run.client.set_tag(run.run_id, "mlflow.runName", name)  # the script's start_run may rename it
-                outputs = collect_outputs(run, params.collect)
+                outputs = collect_outputs(run, params.collect, launched)
                 version = register(run, outputs, params)
     get_run_logger().info("MLflow run %s finished; checkpoint %s; model version %s", run.run_id,
                           outputs.get("checkpoint"), version)
@@ -77,12 +79,14 @@ def run_tags(params: ScriptParams, plan: DevicePlan) -> dict:
 
 
 @task(name="collect-outputs", cache_policy=NO_CACHE)
-def collect_outputs(run: tracking.TrackedRun, patterns: list[str]) -> dict:
+def collect_outputs(run: tracking.TrackedRun, patterns: list[str], launched: float) -> dict:
     """Log the output folder, the `collect` files and the logs; de-prefix the newest state dict
-    and log it as the run's checkpoint (or log it unchanged and say why)."""
-    from gpuflow.tasks.scriptout import gather
+    and log it as the run's checkpoint (or log it unchanged and say why). Tag and warn about
+    collected files older than `launched`, and about processes that never joined a process group."""
+    from gpuflow.tasks.scriptout import flag_not_distributed, gather
 
-    return gather(run, patterns, Path.cwd())
+    flag_not_distributed(run)
+    return gather(run, patterns, Path.cwd(), launched)
 
 
 @task(name="register-model", cache_policy=NO_CACHE)

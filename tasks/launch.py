@@ -25,7 +25,8 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from gpuflow.training.errors import UserError
-from gpuflow.training.contract import DIST_TIMEOUT_ENV, ERROR_DIR_ENV, describe, read_error
+from gpuflow.training.contract import (DIST_TIMEOUT_ENV, ERROR_DIR_ENV, PROCESS_GROUP_FILE, PROCESS_GROUP_FILE_ENV,
+                                       describe, read_error)
 from gpuflow.training.reaper import grace_seconds, start_supervised
 
 from .assign import DevicePlan
@@ -286,7 +287,9 @@ def launch_script(opts: ScriptRequest, plan: DevicePlan, workdir: Path, metrics_
            *opts.script_args]
     log.info("launching: %s", " ".join(cmd))
     env = script_environment(plan, workdir, metrics_file, opts.tracking_uri or default_tracking_uri())
-    env |= {**error_folder(workdir), DIST_TIMEOUT_ENV: str(opts.dist_timeout_s)}
+    (workdir / PROCESS_GROUP_FILE).unlink(missing_ok=True)  # rank 0 writes it afresh when the script ends well
+    env |= {**error_folder(workdir), DIST_TIMEOUT_ENV: str(opts.dist_timeout_s),
+            PROCESS_GROUP_FILE_ENV: str(workdir / PROCESS_GROUP_FILE)}
     code, tail = run_child(cmd, env, Path.cwd(), log, hold_fds, log_file=workdir / "logs" / "script.log")
     if code != 0:
         raise failure(Path(opts.script).name, code, workdir, tail, "script.log")

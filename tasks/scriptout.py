@@ -5,6 +5,11 @@ Only plain files are logged: a file is taken from the output folder or the logs 
 reached through no symbolic link, and a `collect` match only when its real path lies in the
 working folder; anything else is skipped and named in the run's `gpuflow.skipped` tag. Nothing
 here fails a run whose script finished: a file that cannot be logged is skipped and named.
+
+Two things a run's files do not show are said in its tags and on the console: collected files
+older than the launch (`gpuflow.predates_run`: an earlier run's snapshot, perhaps resumed from,
+logged all the same), and a script whose processes never joined a process group
+(`gpuflow.not_distributed`: each trained a full copy).
 """
 
 from __future__ import annotations
@@ -12,9 +17,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+from datetime import datetime
 from pathlib import Path
 
+from gpuflow.training.contract import PROCESS_GROUP_FILE, not_distributed, read_process_group
+
 from .tracking import TrackedRun
+
+log = logging.getLogger(__name__)
 
 STATE_SUFFIXES = (".pt", ".pth")
 
@@ -65,13 +75,14 @@ def collected_files(patterns: list[str], cwd: Path) -> tuple[list[Path], list[st
     return sorted(files), skipped
 
 
-def gather(run: TrackedRun, patterns: list[str], cwd: Path) -> dict:
+def gather(run: TrackedRun, patterns: list[str], cwd: Path, launched: float | None = None) -> dict:
     """Log the script's files; returns {"checkpoint", "weights", "model_spec", "outputs"}.
 
     The newest state dict is loaded with weights_only=True, found when nested in a snapshot
     dict, stripped of `module.`/`_orig_mod.` and logged as checkpoints/<name> ({"model": ...});
     a file that cannot be read that way is logged unchanged, and the run's
-    `gpuflow.checkpoint` tag says why.
+    `gpuflow.checkpoint` tag says why. Collected files last written before `launched` (a
+    timestamp) are named in the `gpuflow.predates_run` tag.
     """
     from gpuflow.training.metrics import MODEL_FILE  # torch-free: no torch import when there is nothing to load
 
@@ -87,17 +98,49 @@ def gather(run: TrackedRun, patterns: list[str], cwd: Path) -> dict:
     for p in collected:
         _log_file(run, p, "collected", skipped)
     if skipped:
-        logging.getLogger(__name__).warning("not logged: %s", "; ".join(skipped)[:2000])
+        log.warning("not logged: %s", "; ".join(skipped)[:2000])
         run.client.set_tag(run.run_id, "gpuflow.skipped", "; ".join(skipped)[:4000])
+    source = newest_state_file(produced + collected)
+    if launched is not None:
+        flag_predating(run, [p for p in collected if p.stat().st_mtime < launched], launched, source, cwd)
     found = {"outputs": [str(p.relative_to(outputs)) for p in produced] + [str(p) for p in collected],
              "model_spec": declared_model(outputs / MODEL_FILE) if outputs / MODEL_FILE in produced else None,
              "checkpoint": None, "weights": None}
-    source = newest_state_file(produced + collected)
     if source is None:
         run.client.set_tag(run.run_id, "gpuflow.checkpoint", "none: the script saved no *.pt or *.pth file in "
                            "GPUFLOW_OUTPUT_DIR or the collect patterns")
         return found
     return found | checkpoint_from(run, source, found["model_spec"], cwd)
+
+
+def flag_predating(run: TrackedRun, old: list[Path], launched: float, checkpoint: Path | None, cwd: Path) -> None:
+    """Name the collected files the script did not write (older than the launch) in a tag and a
+    warning: logged as this run's all the same, they may be an earlier run's, resumed from."""
+    if not old:
+        return
+    names = ", ".join(f"{p.relative_to(cwd.resolve())} (written {_when(p.stat().st_mtime)})" for p in old)
+    source = " the run's checkpoint is taken from one of them;" if checkpoint in old else ""
+    text = (f"collected files older than this run (launched {_when(launched)}): {names}; logged with the run all "
+            f"the same, but not written by it (an earlier run's, which the script may have resumed from);{source} "
+            "delete or move them before the run to start afresh")
+    log.warning("%s", text[:2000])
+    run.client.set_tag(run.run_id, "gpuflow.predates_run", text[:4000])
+
+
+def _when(timestamp: float) -> str:
+    return datetime.fromtimestamp(timestamp).isoformat(sep=" ", timespec="seconds")
+
+
+def flag_not_distributed(run: TrackedRun) -> str | None:
+    """When the script's processes never joined a process group (rank 0's record in the run
+    folder), say so in the `gpuflow.not_distributed` tag and a warning; the message, else None."""
+    record = read_process_group(run.workdir / PROCESS_GROUP_FILE)
+    if not record or record["joined"] or record["world_size"] < 2:
+        return None
+    message = not_distributed(record["script"], record["world_size"])
+    log.warning("%s", message)
+    run.client.set_tag(run.run_id, "gpuflow.not_distributed", message)
+    return message
 
 
 def _log_file(run: TrackedRun, path: Path, artifact_dir: str, skipped: list[str]) -> None:

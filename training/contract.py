@@ -8,6 +8,10 @@ innermost frame), the rank, the torchrun attempt, when, and whether the failure 
 progress (no checkpoint or output written since it started). Running it again would fail the
 same way, so a restarted rank that finds such an error of the attempt before does not run
 the code again: it reports the same error and exits at once.
+
+Rank 0 of a user's script run in several processes also leaves `<GPUFLOW_PROCESS_GROUP_FILE>`
+when the script ends: whether it ever joined a process group. When it did not, each process
+trained a full copy on its own, and the flow says so (`not_distributed`).
 """
 
 from __future__ import annotations
@@ -21,6 +25,10 @@ from pathlib import Path
 
 ERROR_DIR_ENV = "GPUFLOW_ERROR_DIR"
 DIST_TIMEOUT_ENV = "GPUFLOW_DIST_TIMEOUT_S"  # a user script's default collective timeout (runscript.py)
+PROCESS_GROUP_FILE_ENV = "GPUFLOW_PROCESS_GROUP_FILE"  # where rank 0 records whether the script joined one
+PROCESS_GROUP_FILE = "process_group.json"  # its name in the run folder
+JOIN_GRACE_ENV = "GPUFLOW_JOIN_GRACE_S"  # how long rank 0 may run without a process group before a warning
+JOIN_GRACE_S = 60.0  # long enough for a script's data preparation before init_process_group
 _OURS = (str(Path(__file__).resolve().parent), str(Path(os.__file__).resolve().parent))  # gpuflow's and the stdlib
 
 
@@ -128,3 +136,29 @@ def describe(record: dict) -> str:
     """`Type: message (at file, line N; rank R)`: the cause, in one line."""
     at = f"at {record['file']}, line {record['line']}; " if record.get("file") else ""
     return f"{record['type']}: {record['message']} ({at}rank {record['rank']})"
+
+
+def write_process_group(script: str, world_size: int, joined: bool) -> None:
+    """Rank 0, at the script's end: whether it joined a process group (nothing when no flow asked)."""
+    path = os.environ.get(PROCESS_GROUP_FILE_ENV)
+    if path:
+        Path(path).write_text(json.dumps({"script": script, "world_size": world_size, "joined": joined}))
+
+
+def read_process_group(path: str | os.PathLike) -> dict | None:
+    """For the flow: rank 0's record, or None when it left none (one process, or the script failed)."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def not_distributed(script: str, world_size: int, after_s: float | None = None) -> str:
+    """One line: `script` ran (`after_s`: has been running that long) in `world_size` processes that
+    never joined a process group, so each trains a full copy; and the fix."""
+    what = (f"{script} ran in {world_size} processes that never joined a process group: each trained a full copy "
+            "of the model and wrote the same files" if after_s is None else
+            f"{script} has run {after_s:g} s in {world_size} processes and rank 0 has joined no process group: "
+            "each process is training a full copy of the model and writing the same files")
+    return (f"{what}; run it with --strategy single (one process), or make it distributed "
+            "(torch.distributed.init_process_group, a DistributedSampler, DDP)")

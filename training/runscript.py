@@ -8,7 +8,10 @@ sys.argv as given), with three things gpuflow owes it:
   default process-group timeout, so the default is set here; a timeout the script passes to
   init_process_group itself wins);
 - an exception it raises is left for the flow as a structured error (training/contract.py),
-  and a restart does not run it again when it failed before making any progress.
+  and a restart does not run it again when it failed before making any progress;
+- run in several processes, a script that never joins a process group trains a full copy in
+  each: rank 0 warns after GPUFLOW_JOIN_GRACE_S without one, and records at the end whether it
+  joined, for the flow to tag the run (`ProcessGroupWatch`).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import os
 import runpy
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -45,6 +49,58 @@ def _timeout_hint(exc: BaseException, seconds: float | None) -> str:
             "such waits are expected]")
 
 
+class ProcessGroupWatch:
+    """On rank 0 of several: whether the script ever joins a process group. torch announces no
+    join, so a daemon thread polls `torch.distributed.is_initialized()` until it is true: a group
+    that trains even a few steps is seen; one that lives only milliseconds (a script that merely
+    checks its setup with one all_reduce) can be missed."""
+
+    POLL_S = 0.01  # cheap (a flag read); a group living less than a few polls may be missed
+
+    def __init__(self, script: str, world_size: int, grace_s: float):
+        import torch.distributed as dist
+
+        self.script, self.world_size, self.grace_s = script, world_size, grace_s
+        self._initialized = dist.is_initialized
+        self._joined, self._stop = threading.Event(), threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="gpuflow-process-group-watch", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def start_for(cls, script: str) -> "ProcessGroupWatch | None":
+        """A watch when this is global rank 0 of several processes that can join a group, else None."""
+        world_size = int(os.environ.get("WORLD_SIZE", 1))
+        if world_size < 2 or int(os.environ.get("RANK", 0)) != 0:
+            return None
+        import torch.distributed as dist
+
+        if not dist.is_available():
+            return None
+        grace = float(os.environ.get(contract.JOIN_GRACE_ENV) or contract.JOIN_GRACE_S)
+        return cls(Path(script).name, world_size, grace)
+
+    def _watch(self) -> None:
+        started, warned = time.monotonic(), False
+        while not self._stop.wait(self.POLL_S):
+            if self._initialized():
+                self._joined.set()
+                if warned:
+                    print(f"[gpuflow] {self.script} joined a process group after all: ignore the warning above",
+                          file=sys.stderr)
+                return
+            if not warned and time.monotonic() - started >= self.grace_s:
+                print(f"[gpuflow] warning: {contract.not_distributed(self.script, self.world_size, self.grace_s)}",
+                      file=sys.stderr)
+                warned = True
+
+    def finish(self, record: bool) -> None:
+        """Stop watching; when the script ended well (`record`), leave whether it joined for the flow."""
+        self._stop.set()
+        self._thread.join()
+        if record:
+            contract.write_process_group(self.script, self.world_size, self._joined.is_set() or self._initialized())
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv:
@@ -57,10 +113,13 @@ def main(argv: list[str] | None = None) -> int:
     timeout = _set_dist_timeout()
     sys.argv = [argv[0], *argv[1:]]
     sys.path[0] = str(Path(script).parent)  # as `python train.py`: its own folder first
-    started = time.time()
+    watch = ProcessGroupWatch.start_for(script)
+    started, ended_well = time.time(), False
     try:
         runpy.run_path(script, run_name="__main__")
-    except SystemExit:
+        ended_well = True
+    except SystemExit as e:
+        ended_well = e.code in (None, 0)
         raise
     except BaseException as e:  # the script's own error: report it as Python would, and leave it for the flow
         deterministic = not isinstance(e, KeyboardInterrupt) and not contract.made_progress(
@@ -68,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
         contract.write_error(e, deterministic, _timeout_hint(e, timeout))
         traceback.print_exc()
         return 1
+    finally:
+        if watch:
+            watch.finish(record=ended_well)
     return 0
 
 

@@ -1,0 +1,133 @@
+"""What a script's run does not show by itself, said in its tags and on the console: a script
+that is not distributed, run in several processes (each trains a full copy), and collected files
+that predate the run (an earlier run's snapshot, resumed from and logged as this run's).
+
+The scripts are tiny and run by `gpuflow run --script` with 2 gloo processes, as in
+tests/test_scripts.py; GPUFLOW_JOIN_GRACE_S=1 makes rank 0's warning come within the run.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from gpuflow.training.contract import read_process_group
+from tests.test_scripts import api_url, client, project  # noqa: F401  (api_url: a fixture)
+from tests.test_user_code import gpuflow
+
+# A single-process script, as tutorials write it: resumes from snapshot.pt when it exists and
+# saves model.pt (atomically: under several processes both write it).
+SOLO = """
+    import os, sys, time, torch
+    from mynet import SimpleNN, data
+
+    time.sleep(float(sys.argv[1]))
+    torch.manual_seed(0)
+    model = SimpleNN()
+    if os.path.exists("snapshot.pt"):
+        model.load_state_dict(torch.load("snapshot.pt", weights_only=True))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, y = data().tensors
+    for _ in range(3):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    torch.save(model.state_dict(), f".model.{os.getpid()}.tmp")
+    os.replace(f".model.{os.getpid()}.tmp", "model.pt")
+"""
+
+# A DDP script that prepares its data (argv[1] seconds) before it joins the process group.
+DDP = """
+    import sys, time, torch, torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    from mynet import SimpleNN, data
+
+    time.sleep(float(sys.argv[1]))
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = DistributedDataParallel(SimpleNN())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, y = data().tensors
+    for step in range(3):
+        opt.zero_grad()
+        part = slice(dist.get_rank(), None, dist.get_world_size())
+        torch.nn.functional.cross_entropy(model(x[part]), y[part]).backward()
+        opt.step()
+    if dist.get_rank() == 0:
+        torch.save(model.module.state_dict(), "model.pt")
+    dist.destroy_process_group()
+"""
+
+FIX = "run it with --strategy single (one process)"
+
+
+def run(folder, api: str, script: str, *args: str, extra: tuple[str, ...] = ()) -> tuple[dict, str]:
+    """(the run's tags, the console) of `gpuflow run --script` with 2 processes."""
+    out = gpuflow(["run", "--script", f"{script}.py", "--cpu-processes", "2", "--tracking-uri",
+                   f"sqlite:///{folder / 'mlflow.db'}", "--collect", '["*.pt"]', *args, "--", *extra],
+                  folder, api, GPUFLOW_JOIN_GRACE_S="1")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    run_id = out.stdout[out.stdout.index('"run_id": "') + 11:].split('"')[0]
+    return client(folder).get_run(run_id).data.tags | {"run_id": run_id}, out.stdout + out.stderr
+
+
+def collected(folder, run_id: str) -> set[str]:
+    return {a.path for a in client(folder).list_artifacts(run_id, "collected")}
+
+
+def test_a_script_that_never_joins_a_process_group_is_named_with_the_fix_and_so_are_older_collected_files(
+        tmp_path, api_url):  # noqa: F811
+    folder = project(tmp_path / "proj", solo=SOLO)
+    torch.save(torch.nn.Linear(1, 1).state_dict(), folder / "stale.pt")  # minutes before the launch
+    snapshot = subprocess.run([sys.executable, "-c", "import torch; from mynet import SimpleNN; "
+                               "torch.save(SimpleNN().state_dict(), 'snapshot.pt')"], cwd=folder)
+    assert snapshot.returncode == 0
+    os.utime(folder / "snapshot.pt", (1_700_000_000, 1_700_000_000))  # an earlier run's, resumed from
+
+    tags, console = run(folder, api_url, "solo", extra=("2",))
+    message = tags["gpuflow.not_distributed"]
+    assert message.startswith("solo.py ran in 2 processes that never joined a process group: each trained a full "
+                              "copy of the model") and FIX in message, message
+    assert console.count(message) == 1, console[-4000:]  # the flow's line, after the script ended
+    live = "[gpuflow] warning: solo.py has run 1 s in 2 processes and rank 0 has joined no process group"
+    assert console.count(live) == 1, console[-4000:]  # rank 0's, during the run, once
+    older = tags["gpuflow.predates_run"]
+    assert "snapshot.pt (written 2023-11-1" in older and "stale.pt" in older and "model.pt" not in older, older
+    assert "logged with the run all the same" in older and "collected files older than this run" in console
+    assert collected(folder, tags["run_id"]) == {"collected/model.pt", "collected/snapshot.pt", "collected/stale.pt"}
+
+    tags, console = run(folder, api_url, "solo", "--strategy", "single", extra=("2",))  # one process: the fix
+    assert "gpuflow.not_distributed" not in tags and "has joined no process group" not in console, console[-4000:]
+    older = tags["gpuflow.predates_run"]
+    assert "snapshot.pt" in older and "model.pt" not in older, older  # model.pt is older, but written again
+
+
+def test_a_ddp_script_is_not_flagged_even_when_it_joins_after_the_grace_period(tmp_path, api_url):  # noqa: F811
+    folder = project(tmp_path / "proj", train=DDP)
+    tags, console = run(folder, api_url, "train", extra=("2",))
+    assert "gpuflow.not_distributed" not in tags and "gpuflow.predates_run" not in tags, tags
+    assert "never joined" not in console
+    # 2 s of data preparation outlast the 1 s grace: the warning, then its retraction, once each
+    assert console.count("has joined no process group") == 1, console[-4000:]
+    assert console.count("train.py joined a process group after all: ignore the warning above") == 1
+    assert collected(folder, tags["run_id"]) == {"collected/model.pt"}
+
+
+@pytest.mark.parametrize("script, nproc, joined", [("solo", 2, False), ("train", 2, True), ("solo", 1, None)])
+def test_rank_0_records_whether_the_script_joined_a_process_group(tmp_path, script, nproc, joined):
+    """gpuflow's runner under plain torchrun: the record the flow reads (none for one process)."""
+    folder = project(tmp_path / "proj", solo=SOLO, train=DDP)
+    record = tmp_path / "process_group.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "GPUFLOW_"))}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "gpuflow.training.runscript", f"{script}.py", "0"]
+    out = subprocess.run(cmd, cwd=folder, env=env | {"GPUFLOW_PROCESS_GROUP_FILE": str(record)},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    expected = None if joined is None else {"script": f"{script}.py", "world_size": nproc, "joined": joined}
+    assert read_process_group(record) == expected
+    assert "has joined no process group" not in out.stderr  # the default grace (60 s) is far off
