@@ -7,13 +7,18 @@ and keyword arguments recorded in the model's config (the class's code ships in 
 with `weights_only=True` and `strict=True`, so nothing is unpickled.
 
     model = mlflow.pyfunc.load_model("models:/<name>@champion")
-    model.predict(x)                        # x: float32 array (N, *input shape) -> outputs,
-                                            # or {name: array} for a model taking named inputs
+    model.predict(x)                        # x: array (N, *input shape) -> array of outputs
+    model.predict({"input_ids": ids, ...})  # named inputs: forward(**inputs), dtypes kept (int64 ids
+                                            # stay int64); a dict output -> {name: array}
     model.unwrap_python_model().model       # the plain nn.Module
+
+A reference into an installed package (`torchvision.models:resnet18`) ships no code: the
+environment's package is the model's code, whatever else this process imported.
 """
 
 import importlib
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import mlflow
@@ -36,12 +41,19 @@ def _same_code(module_name: str, code: Path, origin: str) -> bool:
     return mine.is_file() and theirs.is_file() and mine.read_bytes() == theirs.read_bytes()
 
 
+def _ships(code: Path, top: str) -> bool:
+    """Whether the model's own code (its `code/` folder) holds the top-level package or module `top`."""
+    return (code / top).is_dir() or (code / f"{top}.py").is_file()
+
+
 def _import(reference: str, code: Path):
     module_name, _, attr = reference.rpartition(":")
     top = module_name.split(".")[0]
     loaded = sys.modules.get(top)
     origin = getattr(loaded, "__file__", None) or next(iter(getattr(loaded, "__path__", [])), None)
-    if (loaded is not None and origin and code not in Path(origin).resolve().parents
+    # Only code the model carries can differ from what this process imported; an installed
+    # package the reference names (no code shipped) is the environment's, imported or not.
+    if (loaded is not None and origin and _ships(code, top) and code not in Path(origin).resolve().parents
             and not _same_code(module_name, code, origin)):
         raise ImportError(f"this model's code is the package {top!r} (in {code}), but this process has "
                           f"already imported another {top!r} from {origin}; load the model in a fresh "
@@ -63,17 +75,32 @@ class CheckpointModel(PythonModel):
         self.model.load_state_dict(torch.load(weights, map_location="cpu", weights_only=True), strict=True)
         self.model.eval()
 
-    def predict(self, context, model_input: np.ndarray, params=None) -> np.ndarray:
+    def predict(self, context, model_input, params=None):
+        """An array (N, *input shape), or {name: array} for forward(**inputs): each keeps its
+        dtype (token ids stay int64), floats become float32 as the weights are. Returns an
+        array, or {name: array} for a model returning a dict (entries that are not tensors
+        left out); floating outputs as float32."""
         import torch
 
         with torch.no_grad():
-            if isinstance(model_input, dict):  # named inputs: forward(**inputs)
-                out = self.model(**{k: torch.as_tensor(np.asarray(v)) for k, v in model_input.items()})
+            if isinstance(model_input, Mapping):
+                out = self.model(**{k: _tensor(v) for k, v in model_input.items()})
             else:
-                out = self.model(torch.as_tensor(np.asarray(model_input, dtype=np.float32)))
-        if isinstance(out, dict):
-            return {k: v.float().numpy() for k, v in out.items()}
-        return out.float().numpy()
+                out = self.model(_tensor(model_input))
+        if isinstance(out, Mapping):
+            return {k: _array(v) for k, v in out.items() if isinstance(v, torch.Tensor)}
+        return _array(out)
+
+
+def _tensor(value):
+    import torch
+
+    a = np.asarray(value)
+    return torch.as_tensor(a.astype(np.float32, copy=False) if a.dtype.kind == "f" else a)
+
+
+def _array(t) -> np.ndarray:
+    return (t.float() if t.is_floating_point() else t).cpu().numpy()
 
 
 mlflow.models.set_model(CheckpointModel())

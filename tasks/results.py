@@ -49,6 +49,27 @@ def model_code(spec: dict, code_root: str | None, folder: Path) -> tuple[str, li
     return spec["reference"], [str(where)]
 
 
+def model_signature(example_file: str | None, outputs: list[dict] | None) -> tuple:
+    """(the input example: an array, or named arrays from a .npz; its signature, None without one).
+
+    Inputs keep the example's dtypes (int64 token ids stay int64); `outputs` is the worker's
+    [{"name", "dtype", "shape"}], one unnamed entry for a tensor output."""
+    import numpy as np
+    from mlflow.models.signature import ModelSignature
+    from mlflow.types.schema import Schema, TensorSpec
+
+    if not example_file:
+        return None, None
+    example = np.load(example_file)
+    if isinstance(example, np.lib.npyio.NpzFile):  # named inputs
+        example = dict(example)
+    named = example.items() if isinstance(example, dict) else [(None, example)]
+    return example, ModelSignature(
+        inputs=Schema([TensorSpec(a.dtype, (-1, *a.shape[1:]), name) for name, a in named]),
+        outputs=Schema([TensorSpec(np.dtype(o["dtype"]), (-1, *o["shape"]), o["name"]) for o in outputs])
+        if outputs else None)
+
+
 @contextmanager
 def failed_unless_ready(client, model_id: str):
     """Whatever stops the block (an error, SIGTERM, Ctrl-C) before the logged model is READY
@@ -67,36 +88,26 @@ def register_model(run: TrackedRun, result: dict, registered_name: str, code_roo
                    description: str) -> str:
     """Log the trained weights as a pyfunc model from code (tasks/registered_model.py) with the
     model's own code, and register it; idempotent per run. Its input example is a few
-    validation samples the worker saved; its signature, their shape and the output's."""
-    from importlib.metadata import version
-
-    import numpy as np
+    validation samples the worker saved; its signature, their dtypes and shapes and the
+    outputs' (`output_spec`: one unnamed tensor, or a dict's named tensors); its requirements,
+    what tasks/requirements.py finds."""
     from mlflow.entities import LoggedModelOutput, LoggedModelStatus
     from mlflow.exceptions import MlflowException
     from mlflow.models import Model
-    from mlflow.models.signature import ModelSignature
-    from mlflow.types.schema import Schema, TensorSpec
+
+    from .requirements import model_requirements
 
     existing = run.client.search_model_versions(f"name='{registered_name}' and run_id='{run.run_id}'")
     if existing:  # a retried task must not create a second version
         return existing[0].version
-    example = np.load(result["input_example"]) if result.get("input_example") else None
-    if isinstance(example, np.lib.npyio.NpzFile):  # named inputs
-        example = dict(example)
-    signature = None
-    if example is not None:
-        out = result.get("output_shape")
-        named = example.items() if isinstance(example, dict) else [(None, example)]
-        signature = ModelSignature(
-            inputs=Schema([TensorSpec(a.dtype, (-1, *a.shape[1:]), name) for name, a in named]),
-            outputs=Schema([TensorSpec(np.dtype(np.float32), (-1, *out))]) if out is not None else None)
-    reqs = [f"{pkg}=={version(pkg).split('+')[0]}" for pkg in ("torch", "torchvision", "mlflow", "numpy")]
+    example, signature = model_signature(result.get("input_example"), result.get("output_spec"))
     # pyfunc.log_model would also load the model to predict the example, importing torch into
     # the flow: ~5 s a run on the default job (bench/NOTES.md). So the same steps with public
     # calls, without that check; tests load each registered model and predict its example.
     model = run.client.create_logged_model(run.experiment_id, name="model", source_run_id=run.run_id)
     with failed_unless_ready(run.client, model.model_id), tempfile.TemporaryDirectory() as tmp:
         reference, code_paths = model_code(result["model_spec"], code_root, Path(tmp))
+        reqs = model_requirements(reference, code_paths, code_root)
         mlflow.pyfunc.save_model(
             Path(tmp) / "model", python_model=str(Path(__file__).with_name("registered_model.py")),
             artifacts={"weights": result["weights"]}, code_paths=code_paths or None,

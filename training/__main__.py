@@ -63,7 +63,7 @@ def _train(cfg, metrics, config_path: str, result_path: str | None, freeze_impor
         if ctx.is_main:
             out = Path(result_path or Path(config_path).with_name("result.json"))
             result["weights"] = str(trainer.save_weights(out.with_name("weights.pt")))
-            example, result["output_shape"] = trainer.example()
+            example, result["output_spec"] = trainer.example()
             if example is not None:
                 data, suffix = _npy_bytes(example)
                 result["input_example"] = str(atomic_write(out.with_name("input_example" + suffix),

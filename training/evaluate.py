@@ -6,9 +6,10 @@
 Loads only tensors (weights_only=True) and rebuilds the plain model from the config stored
 in the checkpoint. Without --inputs: loss and the objective's metrics (accuracy for
 classification) on the dataset's validation split (the same deterministic split training
-held out) or on all of it. With --inputs (a tensor file, N samples of the model's input
-shape): the predicted class and class probabilities of each, or the model's raw outputs
-for an objective of your own. Run it in a child whose CUDA_VISIBLE_DEVICES holds the card
+held out) or on all of it. With --inputs (N samples: {'inputs': tensor} or {'inputs':
+{name: tensor}} in a .pt file, a .npy array or a .npz of named arrays; dtypes kept, named
+inputs passed as forward(**inputs)): the predicted class and class probabilities of each,
+or the model's raw outputs ({name: outputs} for a dict output) for an objective of your own. Run it in a child whose CUDA_VISIBLE_DEVICES holds the card
 to use: inside, that card is cuda:0.
 """
 
@@ -18,6 +19,7 @@ import argparse
 import os
 import pickle
 import sys
+from collections.abc import Mapping
 
 import torch
 
@@ -28,7 +30,8 @@ from .builder import build_model
 from .data import TensorData, load_data
 from .errors import UserError
 from .files import write_json_atomic
-from .objective import Totals, apply, batch_len, call_model, concat, load_objective, split_batch
+from .objective import (Classification, Totals, apply, batch_len, call_model, concat, load_objective, shapes,
+                        split_batch)
 
 
 def _device(device: str) -> torch.device:
@@ -65,24 +68,68 @@ def _check_shape(shape, expected, what: str, fix: str) -> None:
                         f"{tuple(expected)} (N x {' x '.join(map(str, expected))}); {fix}")
 
 
-def load_inputs(path: str) -> torch.Tensor:
-    """The `inputs` tensor of a .pt file saved as {'inputs': tensor}, loaded with weights_only=True."""
-    save_as = f"save it with torch.save({{'inputs': x}}, {path!r}), x holding N samples of the model's input shape"
+SAVE_INPUTS = ("save it with torch.save({{'inputs': x}}, {path!r}), x a tensor of N samples of the model's input "
+               "shape, or a dict of such tensors by the model's input names (or np.save / np.savez arrays)")
+
+
+def load_inputs(path: str) -> torch.Tensor | dict[str, torch.Tensor]:
+    """A file's inputs, dtypes kept: a tensor (the model's one input) or {name: tensor} (its
+    keyword inputs, `forward(**inputs)`). A .pt file saved as {'inputs': tensor or {name: tensor}},
+    loaded with weights_only=True; a .npy array; a .npz of named arrays (as the registered
+    model's input example is)."""
+    save_as = SAVE_INPUTS.format(path=path)
+    if path.endswith((".npy", ".npz")):
+        return _named_inputs(_load_arrays(path, save_as), path, save_as)
     if not path.endswith(".pt"):
-        raise UserError(f"inputs file {path!r} is not a .pt file; {save_as}")
+        raise UserError(f"inputs file {path!r} is not a .pt, .npy or .npz file; {save_as}")
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"inputs file {path!r} cannot be read as tensors ({first[:200]}); {save_as}") from None
+        raise UserError(f"inputs file {path!r} cannot be read as tensors ({_first_line(e)}); {save_as}") from None
     if isinstance(obj, torch.Tensor):
         raise UserError(f"inputs file {path!r} holds a bare tensor of shape {tuple(obj.shape)}, not "
                         f"{{'inputs': tensor}}; {save_as}")
     x = obj.get("inputs") if isinstance(obj, dict) else None
-    if not isinstance(x, torch.Tensor):
-        got = f"a dict with keys {sorted(map(str, obj))[:8]}" if isinstance(obj, dict) else f"a {type(obj).__name__}"
-        raise UserError(f"inputs file {path!r} holds {got}, not {{'inputs': tensor}}; {save_as}")
+    if isinstance(x, (torch.Tensor, dict)):
+        return _named_inputs(x, path, save_as)
+    got = f"a dict with keys {sorted(map(str, obj))[:8]}" if isinstance(obj, dict) else f"a {type(obj).__name__}"
+    raise UserError(f"inputs file {path!r} holds {got}, not {{'inputs': tensor}} or {{'inputs': {{name: tensor}}}}; "
+                    f"{save_as}")
+
+
+def _load_arrays(path: str, save_as: str):
+    import zipfile
+
+    import numpy as np
+
+    try:
+        loaded = np.load(path, allow_pickle=False)
+        arrays = dict(loaded) if isinstance(loaded, np.lib.npyio.NpzFile) else loaded
+        return ({k: torch.from_numpy(a) for k, a in arrays.items()} if isinstance(arrays, dict)
+                else torch.from_numpy(arrays))
+    except (ValueError, OSError, EOFError, TypeError, zipfile.BadZipFile) as e:
+        raise UserError(f"inputs file {path!r} cannot be read as numeric arrays ({_first_line(e)}); "
+                        f"{save_as}") from None
+
+
+def _named_inputs(x, path: str, save_as: str):
+    """`x` itself when it is a tensor, or named tensors of one sample count."""
+    if isinstance(x, torch.Tensor):
+        return x
+    if not x:
+        raise UserError(f"inputs file {path!r} names no inputs (an empty dict); {save_as}")
+    bad = [str(k) for k, v in x.items() if not (isinstance(k, str) and isinstance(v, torch.Tensor) and v.dim() > 0)]
+    if bad:
+        raise UserError(f"inputs file {path!r} names inputs {bad[:8]} that are not tensors of N samples; {save_as}")
+    counts = {k: len(v) for k, v in x.items()}
+    if len(set(counts.values())) > 1:
+        raise UserError(f"inputs file {path!r} holds named inputs of different sample counts {counts}; "
+                        "give every input the same N samples")
     return x
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)[:200]
 
 
 def _where(dev: torch.device) -> dict:
@@ -121,40 +168,64 @@ def evaluate(checkpoint: str, split: str = "val", device: str = "auto", batch_si
 
 @torch.no_grad()
 def predict(checkpoint: str, inputs: str, device: str = "auto", batch_size: int = 512) -> dict:
-    """Class and probabilities for each sample of a tensor file (N x input shape)."""
+    """Class and probabilities for each sample of an inputs file (see load_inputs), or the
+    model's outputs ({name: outputs} for a dict output) for an objective of your own."""
     payload = load_file(checkpoint)
     x = load_inputs(inputs)
-    _check_shape(x.shape[1:], payload.get("input_shape"), f"inputs file {inputs!r}", "reshape the inputs to match")
+    if isinstance(x, torch.Tensor):
+        _check_shape(x.shape[1:], payload.get("input_shape"), f"inputs file {inputs!r}", "reshape the inputs to match")
     dev = _device(device)
     if _from_script(payload):  # the declared model's raw outputs
         spec = payload["model_spec"]
         model = build_model(spec["reference"], None, None, spec["kwargs"], payload.get("code_root"))
         load_model_state(model, payload["model"], source=f"checkpoint {checkpoint!r}")
         out = _outputs(model.to(dev).eval(), x, dev, batch_size, inputs)
-        return {"outputs": out.tolist(), "samples": len(x), "model": spec["reference"], **_where(dev)}
+        return {"outputs": _listed(out), "samples": batch_len(x), "model": spec["reference"], **_where(dev)}
     cfg = _config(payload, checkpoint)
     if "num_classes" not in payload:
         raise CheckpointError(f"checkpoint {checkpoint!r} does not record its class count (written by "
                               "an older gpuflow); evaluate it on a dataset instead, or retrain")
     num_classes = payload["num_classes"]
-    model = _model(cfg, payload, checkpoint, num_classes, payload.get("input_shape") or list(x.shape[1:]), dev)
+    shape = payload.get("input_shape") or (list(x.shape[1:]) if isinstance(x, torch.Tensor) else None)
+    model = _model(cfg, payload, checkpoint, num_classes, shape, dev)
     out = _outputs(model, x, dev, batch_size, inputs)
-    where = {"samples": len(x), "model": cfg.model, **_where(dev)}
+    where = {"samples": batch_len(x), "model": cfg.model, **_where(dev)}
     if cfg.objective != "classification":  # the model's outputs as they are
-        return {"outputs": out.tolist(), **where}
-    probs = out.softmax(1)
+        return {"outputs": _listed(out), **where}
+    probs = Classification.scores(out).softmax(1)
     return {"predictions": probs.argmax(1).tolist(), "probabilities": probs.tolist(), **where}
 
 
-def _outputs(model, x: torch.Tensor, dev: torch.device, batch_size: int, path: str) -> torch.Tensor:
+def _outputs(model, x, dev: torch.device, batch_size: int, path: str):
+    """The model's outputs for every sample of `x`, batch by batch, on the CPU: a tensor, or
+    {name: tensor} for a dict output. Inputs keep their dtypes (int64 token ids stay int64);
+    floats run as float32, as the weights are."""
+    to_model = (lambda t: t.to(dev).float() if t.is_floating_point() else t.to(dev))
+    n = batch_len(x)
     try:
-        return torch.cat([model(b.to(dev).float()).float().cpu() for b in x.split(batch_size)])
+        return concat([_on_cpu(call_model(model, apply(x, lambda t: to_model(t[i:i + batch_size]))), path)
+                       for i in range(0, n, batch_size)])
     except torch.OutOfMemoryError:
         raise
-    except RuntimeError as e:  # shapes the checkpoint could not name: the model's own words
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"the model cannot take the samples of inputs file {path!r} (shape {tuple(x.shape[1:])} "
-                        f"each): {first[:300]}; reshape the inputs to the model's input shape") from None
+    except (RuntimeError, TypeError, IndexError) as e:  # inputs the checkpoint could not check: the model's words
+        each = shapes(apply(x, lambda t: t[0]))
+        raise UserError(f"the model cannot take the samples of inputs file {path!r} ({each} each): "
+                        f"{_first_line(e)[:300]}; give the inputs the model's input names, shapes and dtypes") from None
+
+
+def _on_cpu(out, path: str):
+    """A batch's outputs as float32 (floating) CPU tensors; a dict's non-tensor entries (a None loss) left out."""
+    cpu = (lambda t: t.float().cpu() if t.is_floating_point() else t.cpu())
+    if isinstance(out, torch.Tensor):
+        return cpu(out)
+    if isinstance(out, Mapping):
+        return {k: cpu(v) for k, v in out.items() if isinstance(v, torch.Tensor)}
+    raise UserError(f"the model returned a {type(out).__name__} for the samples of inputs file {path!r}; "
+                    "`gpuflow infer` reports a tensor or a dict of tensors: return one from forward")
+
+
+def _listed(out) -> list | dict:
+    return {k: v.tolist() for k, v in out.items()} if isinstance(out, dict) else out.tolist()
 
 
 def _concat(a, b):

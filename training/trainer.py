@@ -296,9 +296,14 @@ class Trainer:
 
     @torch.no_grad()
     def example(self, n: int = 2) -> tuple:
-        """The registered model's example: the first `n` validation inputs, as a float32 array
-        or, for a model taking named inputs, a dict of arrays (None for positional tuples),
-        and the model's output shape per sample (None for a dict output)."""
+        """The registered model's example and outputs: the first `n` validation inputs, as an
+        array or, for a model taking named inputs, a dict of arrays (None for positional
+        tuples), each of its own dtype (floats as float32); and the model's outputs on them as
+        [{"name", "dtype", "shape" per sample}]: one unnamed entry for a tensor, the tensors
+        of a dict output by name (None for other outputs). Dtypes are those the registered
+        model's predict returns."""
+        from collections.abc import Mapping
+
         from torch.utils.data import default_collate
 
         inputs, _ = split_batch(default_collate([self.bundle.val[i] for i in range(min(n, len(self.bundle.val)))]))
@@ -312,7 +317,11 @@ class Trainer:
         model.train(was_training)
         array = (lambda t: t.float().cpu().numpy() if t.is_floating_point() else t.cpu().numpy())
         example = array(inputs) if isinstance(inputs, torch.Tensor) else {k: array(v) for k, v in inputs.items()}
-        return example, (list(out.shape[1:]) if isinstance(out, torch.Tensor) else None)
+        spec = (lambda name, t: {"name": name, "dtype": str(array(t[:0]).dtype), "shape": list(t.shape[1:])})
+        if isinstance(out, Mapping):  # a dict or a ModelOutput: its per-sample tensors (not a None loss)
+            named = [spec(k, v) for k, v in out.items() if isinstance(v, torch.Tensor) and v.dim() > 0]
+            return example, named or None
+        return example, ([spec(None, out)] if isinstance(out, torch.Tensor) and out.dim() > 0 else None)
 
     def _say(self, msg: str) -> None:
         if self.ctx.is_main:

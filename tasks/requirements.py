@@ -1,0 +1,88 @@
+"""What a registered model needs installed, found without importing its code (the flow stays torch-free).
+
+The model's `requirements.txt` (and conda.yaml, python_env.yaml) lists, each distribution once:
+1. what the loader (tasks/registered_model.py) imports: torch, torchvision, mlflow, numpy;
+2. the installed distribution of a package the model's reference names (`torchvision.models:resnet18`);
+3. the installed distributions that the shipped code imports: its `import` statements, read with
+   `ast` (the standard library and the shipped packages themselves left out), mapped to their
+   distributions by `importlib.metadata.packages_distributions()`;
+all three pinned to the versions installed here (a local suffix such as `+cu130` dropped); then
+4. the project's own declared dependencies, as written, when the model ships code from the
+   project folder: `[project].dependencies` of its pyproject.toml, then its requirements.txt
+   (options, `-r`/`-e` lines and entries that are not requirements, such as paths, left out). A
+   declared entry replaces a pin found for the same distribution.
+An import that no installed distribution provides (an optional one, under `try`) is not listed.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+import tomllib
+from importlib.metadata import packages_distributions, version
+from pathlib import Path
+
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.utils import canonicalize_name
+
+LOADER = ("torch", "torchvision", "mlflow", "numpy")
+
+
+def model_requirements(reference: str, code_paths: list[str], code_root: str | None) -> list[str]:
+    """pip requirement lines for a model of `reference` whose code is `code_paths` (see the module doc)."""
+    shipped = {Path(p).stem for p in code_paths}
+    modules = (imported_modules(code_paths) | {reference.rpartition(":")[0].split(".")[0]}) - shipped
+    found = {canonicalize_name(d): pinned(d) for d in [*LOADER, *distributions(modules)]}
+    root = Path(code_root).resolve() if code_root else None
+    if root and any(root in Path(p).resolve().parents for p in code_paths):
+        for line in declared(root):
+            found[canonicalize_name(Requirement(line).name)] = line
+    return list(found.values())
+
+
+def imported_modules(code_paths: list[str]) -> set[str]:
+    """Top-level names the Python files of `code_paths` import absolutely, standard library excluded."""
+    files = [f for p in map(Path, code_paths) for f in (sorted(p.rglob("*.py")) if p.is_dir() else [p])]
+    names = set()
+    for f in files:
+        try:
+            tree = ast.parse(f.read_bytes(), str(f))
+        except (SyntaxError, ValueError):  # not importable either: the model's load names it
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names.update(a.name.split(".")[0] for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.add(node.module.split(".")[0])
+    return names - set(sys.stdlib_module_names) - {"__future__"}
+
+
+def distributions(modules: set[str]) -> list[str]:
+    """The installed distributions providing these top-level modules, in name order."""
+    provided = packages_distributions()
+    return sorted({d for m in modules for d in provided.get(m, [])}, key=str.lower)
+
+
+def pinned(distribution: str) -> str:
+    return f"{distribution}=={version(distribution).split('+')[0]}"
+
+
+def declared(root: Path) -> list[str]:
+    """The dependencies `root` declares: pyproject.toml's [project].dependencies, then requirements.txt."""
+    lines = []
+    try:
+        lines += tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]
+    except (OSError, tomllib.TOMLDecodeError, KeyError, TypeError):  # none declared there
+        pass
+    if (root / "requirements.txt").is_file():
+        lines += [ln.split(" #")[0].strip() for ln in (root / "requirements.txt").read_text().splitlines()]
+    return [ln for ln in lines if isinstance(ln, str) and ln and not ln.startswith(("#", "-"))
+            and _is_requirement(ln)]
+
+
+def _is_requirement(line: str) -> bool:
+    try:
+        Requirement(line)
+    except InvalidRequirement:
+        return False
+    return True
