@@ -75,7 +75,8 @@ class CheckpointModel(PythonModel):
         self.model.load_state_dict(torch.load(weights, map_location="cpu", weights_only=True), strict=True)
         self.model.eval()
 
-    def predict(self, context, model_input, params=None):
+    # np.ndarray: the hint MLflow reads as "validate by the signature, not the hint"; dicts pass too
+    def predict(self, context, model_input: np.ndarray, params=None):
         """An array (N, *input shape), or {name: array} for forward(**inputs): each keeps its
         dtype (token ids stay int64), floats become float32 as the weights are. Returns an
         array, or {name: array} for a model returning a dict (entries that are not tensors
