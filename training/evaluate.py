@@ -9,8 +9,9 @@ classification) on the dataset's validation split (the same deterministic split 
 held out) or on all of it. With --inputs (N samples: {'inputs': tensor} or {'inputs':
 {name: tensor}} in a .pt file, a .npy array or a .npz of named arrays; dtypes kept, named
 inputs passed as forward(**inputs)): the predicted class and class probabilities of each,
-or the model's raw outputs ({name: outputs} for a dict output) for an objective of your own. Run it in a child whose CUDA_VISIBLE_DEVICES holds the card
-to use: inside, that card is cuda:0.
+or the model's raw outputs ({name: outputs} for a dict output) for an objective of your
+own. Run it in a child whose CUDA_VISIBLE_DEVICES holds the card to use: inside, that card
+is cuda:0.
 """
 
 from __future__ import annotations
