@@ -23,15 +23,11 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
-from gpuflow.tasks import orphans, results, store, tracking
-from gpuflow.tasks.assign import DevicePlan, assign_devices
-from gpuflow.tasks.cards import card_locks, device_slot
+from gpuflow.tasks import orphans, results, tracking
 from gpuflow.tasks.launch import TrainingFailed, launch_script
-from gpuflow.tasks.probe import probe_environment
 
-from .allow import check_allowed
 from .params import ScriptParams, flat_parameters
-from .train import current_name, plan_tags, unique_name
+from .session import training_session, unique_name
 
 
 def script_run_name() -> str:
@@ -46,36 +42,22 @@ def script_run_name() -> str:
 @flat_parameters(ScriptParams)
 def train_script(params: ScriptParams) -> dict:
     """Run your torchrun script on the best devices of this host and log one MLflow run."""
-    check_allowed(params)  # a served deployment's run names only what the operator allowed
-    with device_slot():
-        report = probe_environment()
-        plan = assign_devices(report, params, None)
-        with card_locks(plan) as locks:
-            name = current_name(params.run_name, Path(params.script).stem)
-            with tracking.tracked_run(params.tracking_uri or store.default_tracking_uri(), params.experiment,
-                                      name, run_tags(params, plan), None, params.runs_dir) as run:
-                run.log_params(params.run_params(plan))
-                run.log_json(report.model_dump(mode="json"), "environment_report.json", "environment")
-                run.log_json(plan.model_dump(mode="json"), "device_plan.json", "environment")
-                launched = time.time()  # collected files older than this were not written by the script
-                try:
-                    with run.relaying_metrics():
-                        launch_script(params, plan, run.workdir, run.metrics_file, locks.fds)
-                except TrainingFailed:  # the failed script's files and logs are kept in the run too
-                    collect_outputs(run, params.collect, launched)
-                    raise
-                finally:
-                    run.client.set_tag(run.run_id, "mlflow.runName", name)  # the script's start_run may rename it
-                outputs = collect_outputs(run, params.collect, launched)
-                version = register(run, outputs, params)
+    with training_session(params) as s, \
+            s.run(Path(params.script).stem, {"script": params.script}, s.plan.nproc_per_node) as run:
+        run.log_params(params.run_params(s.plan))
+        launched = time.time()  # collected files older than this were not written by the script
+        try:
+            with run.relaying_metrics():
+                launch_script(params, s.plan, run.workdir, run.metrics_file, s.cards)
+        except TrainingFailed:  # the failed script's files and logs are kept in the run too
+            collect_outputs(run, params.collect, launched)
+            raise
+        outputs = collect_outputs(run, params.collect, launched)
+        version = register(run, outputs, params)
     get_run_logger().info("MLflow run %s finished; checkpoint %s; model version %s", run.run_id,
                           outputs.get("checkpoint"), version)
-    return {"run_id": run.run_id, "status": "FINISHED", "model_version": version, "world_size": plan.nproc_per_node,
-            **outputs}
-
-
-def run_tags(params: ScriptParams, plan: DevicePlan) -> dict:
-    return {**plan_tags(plan, plan.nproc_per_node), "script": params.script}
+    return {"run_id": run.run_id, "status": "FINISHED", "model_version": version,
+            "world_size": s.plan.nproc_per_node, **outputs}
 
 
 @task(name="collect-outputs", cache_policy=NO_CACHE)
@@ -101,10 +83,3 @@ def register(run: tracking.TrackedRun, outputs: dict, params: ScriptParams) -> s
     return results.register_model(run, {"model_spec": spec, "weights": outputs["weights"]}, params.registered_model,
                                   str(Path.cwd()), description)
 
-
-if __name__ == "__main__":  # `python -m gpuflow.flows.script ...` is `gpuflow run --script ...`
-    import sys
-
-    from .cli import main
-
-    sys.exit(main(["run", *sys.argv[1:]]))

@@ -1,48 +1,27 @@
 """The training pipeline flow: probe -> assign -> (card locks) data -> preflight ->
 (MLflow run) launch -> log results.
 
-Run it with `gpuflow run` (or `python -m gpuflow.flows.train --help`), or as a deployment.
+Run it with `gpuflow run`, as a deployment, or from Python (gpuflow.flows: train_pipeline).
 """
 
 from __future__ import annotations
 
-import sys
-import time
 import uuid
-from contextlib import contextmanager
 from pathlib import Path
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
-from prefect.runtime import deployment, flow_run
+from prefect.runtime import flow_run
 
-from gpuflow.tasks import orphans, results, store, tracking
-from gpuflow.tasks.assign import DevicePlan, assign_devices
-from gpuflow.tasks.cards import card_locks, device_slot
+from gpuflow.tasks import orphans, results, tracking
+from gpuflow.tasks.assign import DevicePlan
 from gpuflow.tasks.data import DatasetInfo, prepare_dataset
 from gpuflow.tasks.launch import TrainingFailed, launch_training, preflight
-from gpuflow.tasks.probe import EnvironmentReport, probe_environment
 from gpuflow.training.errors import UserError
-from gpuflow.training.refs import check_references
 
-from .allow import check_allowed
 from .params import PipelineParams, flat_parameters
+from .session import Session, StepTimer, training_session, unique_name
 from .settings import Settings
-
-
-class StepTimer:
-    """Wall time per pipeline step, for the run's `pipeline.*_s` metrics and benchmarks."""
-
-    def __init__(self):
-        self.seconds: dict[str, float] = {}
-
-    @contextmanager
-    def __call__(self, step: str):
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[step] = round(time.perf_counter() - start, 3)
 
 
 def retry_unless_it_repeats(task, task_run, state) -> bool:
@@ -75,80 +54,47 @@ def dataset_label(dataset: str) -> str:
     return dataset.rpartition(":")[2] if ":" in dataset else dataset
 
 
-def unique_name(stem: str) -> str:
-    """<stem>-<the flow run id's start> (a random one outside a flow run)."""
-    return f"{stem}-{(flow_run.get_id() or uuid.uuid4().hex)[:6]}"
-
-
-def current_name(given: str | None, stem: str) -> str:
-    """The name this flow run started with (see run_name), which the MLflow run takes."""
-    return flow_run.get_name() or given or unique_name(stem)
-
-
-def entry_point() -> str:
-    """What the user ran, for the MLflow run's source: the deployment (the one a retrain's training
-    ran under is the retrain's), or the command."""
-    if deployment.get_id():
-        from prefect.client.orchestration import get_client
-
-        with get_client(sync_client=True) as client:
-            served = client.read_deployment(deployment.get_id())
-            return f"deployment {client.read_flow(served.flow_id).name}/{served.name}"
-    prog = Path(sys.argv[0]).name
-    return f"{prog} {sys.argv[1]}" if prog == "gpuflow" and len(sys.argv) > 1 else prog
-
-
 @flow(name="train-pipeline", flow_run_name=run_name, validate_parameters=False,
       on_crashed=[orphans.end_flow_run_mlflow_runs], on_cancellation=[orphans.end_flow_run_mlflow_runs])
 @flat_parameters(PipelineParams)
 def train_pipeline(params: PipelineParams) -> dict:
     """Train a model on the best devices of this host and log one MLflow run."""
-    check_allowed(params)  # a served deployment's run names only what the operator allowed
-    check_references(params)  # your code imports: refused before data or devices are touched
-    with device_slot():  # served runs on one host queue here
-        return pipeline(params)
+    with training_session(params, params.batch_size, params.precision) as s:
+        return pipeline(params, s)
 
 
-def pipeline(params: PipelineParams) -> dict:
-    timer = StepTimer()
-    with timer("probe"):
-        report = probe_environment()
-    with timer("assign"):
-        plan = assign_devices(report, params, params.batch_size, params.precision)
-    with card_locks(plan) as locks:
-        config = params.train_config(plan)  # the worker's config before the run gives it a folder
-        with timer("data"):  # only downloads can flake: retry those alone
-            data = prepare_dataset.with_options(retries=2 if params.download else 0,
-                                                retry_condition_fn=retry_unless_it_repeats)(config)
-        with timer("preflight"):
-            data.num_classes = preflight(params.train_config(plan, data_cache=data.cache), params, data,
-                                         params.world_size(plan))
-        if params.node_rank != 0:  # node 0 owns the MLflow run; the other nodes only train
-            return train_node(params, plan, data, timer, locks.fds)
-        name = current_name(params.run_name, f"{dataset_label(params.model)}-{dataset_label(params.dataset)}")
-        with tracking.tracked_run(params.tracking_uri or store.default_tracking_uri(), params.experiment,
-                                  name, run_tags(params, plan), data.model_dump(mode="json"),
-                                  params.runs_dir) as run:
-            result = train(params, plan, data, report, run, timer, locks.fds)
-            with timer("log_results"):
-                version = results.log_results(run, result, params.registered_model, config.code_root,
-                                               describe_version(params, plan, result, name))
-            summarize(params, plan, result, run, version)
-            # grouped apart in the MLflow UI, so loss and accuracy lead the run's charts
-            run.log_metrics({f"pipeline/{k}_s": v for k, v in timer.seconds.items()})
+def pipeline(params: PipelineParams, s: Session) -> dict:
+    plan, timer = s.plan, s.timer
+    config = params.train_config(plan)  # the worker's config before the run gives it a folder
+    with timer("data"):  # only downloads can flake: retry those alone
+        data = prepare_dataset.with_options(retries=2 if params.download else 0,
+                                            retry_condition_fn=retry_unless_it_repeats)(config)
+    with timer("preflight"):
+        data.num_classes = preflight(params.train_config(plan, data_cache=data.cache), params, data,
+                                     params.world_size(plan))
+    if params.node_rank != 0:  # node 0 owns the MLflow run; the other nodes only train
+        return train_node(params, plan, data, timer, s.cards)
+    stem = f"{dataset_label(params.model)}-{dataset_label(params.dataset)}"
+    with s.run(stem, {"dataset": params.dataset, "model": params.model}, params.world_size(plan),
+               data.model_dump(mode="json")) as run:
+        result = train(params, plan, data, run, timer, s.cards)
+        with timer("log_results"):
+            version = results.log_results(run, result, params.registered_model, config.code_root,
+                                           describe_version(params, plan, result, s.name))
+        summarize(params, plan, result, run, version)
+        # grouped apart in the MLflow UI, so loss and accuracy lead the run's charts
+        run.log_metrics({f"pipeline/{k}_s": v for k, v in timer.seconds.items()})
     get_run_logger().info("MLflow run %s finished; model %s version %s", run.run_id,
                           params.registered_model, version)
     return {"run_id": run.run_id, "status": "FINISHED", "model_version": version, **result,
             "timings": timer.seconds}
 
 
-def train(params: PipelineParams, plan: DevicePlan, data: DatasetInfo, report: EnvironmentReport,
-          run: tracking.TrackedRun, timer: StepTimer, cards: tuple[int, ...]) -> dict:
+def train(params: PipelineParams, plan: DevicePlan, data: DatasetInfo, run: tracking.TrackedRun, timer: StepTimer,
+          cards: tuple[int, ...]) -> dict:
     """Write the worker's config, record it as the run's params, launch and relay its metrics."""
     config = params.train_config(plan, run.workdir, data.cache, data.num_classes)
     run.log_params(params.run_params(config, plan))
-    run.log_json(report.model_dump(mode="json"), "environment_report.json", "environment")
-    run.log_json(plan.model_dump(mode="json"), "device_plan.json", "environment")
     launch = launcher(params)
     with timer("launch"), run.relaying_metrics():
         return launch(config.to_json(run.workdir / "config.json"), plan, params, run.workdir, run.metrics_file,
@@ -168,22 +114,6 @@ def train_node(params: PipelineParams, plan: DevicePlan, data: DatasetInfo, time
     with timer("launch"):
         result = launcher(params)(config, plan, params, workdir, hold_fds=cards)
     return {"node_rank": params.node_rank, "result": result, "timings": timer.seconds}
-
-
-def run_tags(params: PipelineParams, plan: DevicePlan) -> dict:
-    return {**plan_tags(plan, params.world_size(plan)), "dataset": params.dataset, "model": params.model}
-
-
-def plan_tags(plan: DevicePlan, world: int) -> dict:
-    """The MLflow run's tags every flow sets: its Prefect run, source, and devices."""
-    return {
-        store.FLOW_RUN_TAG: flow_run.get_id(), "prefect.flow_run_name": flow_run.get_name(),
-        "prefect.deployment": deployment.get_name(), "mlflow.source.git.commit": store.git_commit(),
-        "mlflow.source.name": entry_point(),
-        "strategy": plan.strategy, "world_size": world, "backend": plan.backend,
-        "device": plan.device, "physical_gpus": ",".join(map(str, plan.physical_ids)) or "none",
-        "primary_gpu": plan.primary if plan.primary is not None else "none",
-    }
 
 
 def describe_version(params: PipelineParams, plan: DevicePlan, result: dict, name: str) -> str:
@@ -214,10 +144,3 @@ def summarize(params: PipelineParams, plan: DevicePlan, result: dict, run: track
         ),
     )
 
-
-if __name__ == "__main__":  # `python -m gpuflow.flows.train ...` is `gpuflow run ...`
-    import sys
-
-    from .cli import main
-
-    sys.exit(main(["run", *sys.argv[1:]]))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -19,17 +19,9 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampl
 from . import datacache, refs
 from .config import TrainConfig, input_shape_for, val_count
 from .errors import DatasetError
+from .userdata import DataBundle, user_datasets
 
 IMAGEFOLDER_SIZE = 64  # square side images from an ImageFolder are resized to
-
-
-@dataclass
-class DataBundle:
-    train: Dataset
-    val: Dataset
-    num_classes: int
-    input_shape: tuple[int, int, int]
-    fingerprint: dict = field(default_factory=dict)
 
 
 class TensorData(Dataset):
@@ -180,8 +172,6 @@ def load_data(cfg: TrainConfig, fingerprint: bool = True) -> DataBundle:
     the source. fingerprint=False skips hashing the data (workers: the flow recorded it).
     """
     if refs.is_reference(cfg.dataset):
-        from .userdata import user_datasets
-
         return user_datasets(cfg)
     if cfg.dataset.startswith("imagefolder:"):
         return _load_imagefolder(cfg)

@@ -6,12 +6,25 @@ from __future__ import annotations
 import hashlib
 import inspect
 import sys
+from dataclasses import dataclass, field
+
+from torch.utils.data import Dataset
 
 from . import refs
 from .config import TrainConfig
-from .data import DataBundle
 from .errors import DatasetError
 from .objective import first_tensor, split_batch
+
+
+@dataclass
+class DataBundle:
+    """What loading a dataset gives, built-in or the user's (training/data.py load_data)."""
+
+    train: Dataset
+    val: Dataset
+    num_classes: int
+    input_shape: tuple[int, int, int]
+    fingerprint: dict = field(default_factory=dict)
 
 
 def _call_with_root(fn, root: str, what: str):

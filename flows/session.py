@@ -1,0 +1,129 @@
+"""One training session, which every flow that trains enters; a launcher is the only part that differs.
+
+    with training_session(params, batch_size, precision) as s:    # allowlist, device slot,
+        ...                                                          #   probe, assign, card locks
+        with s.run(name_stem, tags, world_size) as run:            # the MLflow run: name, tags,
+            run.log_params(...)                                      #   environment and plan
+            launch(...)                                              #   artifacts; ended always
+
+What a launcher writes is its own: the worker's config and launch (train-pipeline), a user's
+script and its outputs (train-script), next a sweep trial or a node of a multi-node job.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from prefect.runtime import deployment, flow_run
+
+from gpuflow.tasks import store, tracking
+from gpuflow.tasks.assign import DevicePlan, assign_devices
+from gpuflow.tasks.cards import card_locks, device_slot
+from gpuflow.tasks.probe import EnvironmentReport, probe_environment
+from gpuflow.training.refs import check_references
+
+from .allow import check_allowed
+
+
+class StepTimer:
+    """Wall time per step, for a run's `pipeline/*_s` metrics and benchmarks."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, step: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[step] = round(time.perf_counter() - start, 3)
+
+
+@dataclass
+class Session:
+    """The devices a run holds: the host's report, the plan, the card locks' descriptors (which
+    the launcher's children hold too), and the time each step took."""
+
+    params: Any
+    report: EnvironmentReport
+    plan: DevicePlan
+    cards: tuple[int, ...]
+    timer: StepTimer = field(default_factory=StepTimer)
+    name: str = ""  # the run's, once run() has started it
+
+    @contextmanager
+    def run(self, name_stem: str, tags: dict, world_size: int, dataset: dict | None = None) -> Iterator[tracking.TrackedRun]:
+        """The session's MLflow run, named as its flow run, with the plan's tags and the environment
+        and plan artifacts; ended FINISHED, FAILED or KILLED whatever happens."""
+        p = self.params
+        self.name = name = current_name(p.run_name, name_stem)
+        with tracking.tracked_run(p.tracking_uri or store.default_tracking_uri(), p.experiment, name,
+                                  {**plan_tags(self.plan, world_size), **tags}, dataset, p.runs_dir) as run:
+            run.log_json(self.report.model_dump(mode="json"), "environment_report.json", "environment")
+            run.log_json(self.plan.model_dump(mode="json"), "device_plan.json", "environment")
+            try:
+                yield run
+            finally:  # a user's script may rename it with its own start_run
+                run.client.set_tag(run.run_id, "mlflow.runName", name)
+
+
+@contextmanager
+def training_session(params, batch_size: int | None = None, precision: str | None = None) -> Iterator[Session]:
+    """Allowlist and references checked, the host's device slot taken, devices probed and
+    assigned, their cards locked for the block."""
+    check_allowed(params)  # a served deployment's run names only what the operator allowed
+    check_references(params)  # user code imports: refused before data or devices are touched
+    with device_slot():  # served runs on one host queue here
+        timer = StepTimer()
+        with timer("probe"):
+            report = probe_environment()
+        with timer("assign"):
+            plan = assign_devices(report, params, batch_size, precision)
+        with card_locks(plan) as locks:
+            yield Session(params, report, plan, locks.fds, timer)
+
+
+# --- names and tags ----------------------------------------------------------------------
+
+
+def unique_name(stem: str) -> str:
+    """<stem>-<the flow run id's start> (a random one outside a flow run)."""
+    return f"{stem}-{(flow_run.get_id() or uuid.uuid4().hex)[:6]}"
+
+
+def current_name(given: str | None, stem: str) -> str:
+    """The name this flow run started with (its flow_run_name), which the MLflow run takes, so
+    each run is found by one name in both UIs."""
+    return flow_run.get_name() or given or unique_name(stem)
+
+
+def entry_point() -> str:
+    """What the user ran, for the MLflow run's source: the deployment (the one a retrain's training
+    ran under is the retrain's), or the command."""
+    if deployment.get_id():
+        from prefect.client.orchestration import get_client
+
+        with get_client(sync_client=True) as client:
+            served = client.read_deployment(deployment.get_id())
+            return f"deployment {client.read_flow(served.flow_id).name}/{served.name}"
+    prog = Path(sys.argv[0]).name
+    return f"{prog} {sys.argv[1]}" if prog == "gpuflow" and len(sys.argv) > 1 else prog
+
+
+def plan_tags(plan: DevicePlan, world: int) -> dict:
+    """The MLflow run's tags every session sets: its Prefect run, source, and devices."""
+    return {
+        store.FLOW_RUN_TAG: flow_run.get_id(), "prefect.flow_run_name": flow_run.get_name(),
+        "prefect.deployment": deployment.get_name(), "mlflow.source.git.commit": store.git_commit(),
+        "mlflow.source.name": entry_point(),
+        "strategy": plan.strategy, "world_size": world, "backend": plan.backend,
+        "device": plan.device, "physical_gpus": ",".join(map(str, plan.physical_ids)) or "none",
+        "primary_gpu": plan.primary if plan.primary is not None else "none",
+    }
