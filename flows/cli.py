@@ -3,7 +3,7 @@
     gpuflow run [--epochs 3 --gpus 3,2 --strategy dp ...]   the train pipeline flow
     gpuflow run --script train.py [--gpus 2] -- --lr 0.01   your own torchrun script (train-script flow)
     gpuflow evaluate [--version champion --gpus 3,]         loss and metrics on a split
-    gpuflow infer --inputs x.pt [--version 2 --gpus cpu]    predictions for a tensor file
+    gpuflow infer --inputs x.pt [--version 2 --gpus cpu]    predictions for a file of inputs
     gpuflow probe [--json]                                  GPUs, versions, backends
     gpuflow server | serve | ui                             Prefect server, deployments, MLflow UI
 
@@ -117,7 +117,7 @@ def parser(script: bool = False) -> argparse.ArgumentParser:
     add_model(run, ScriptParams if script else PipelineParams)
     add_model(sub.add_parser("evaluate", help="loss and metrics (accuracy, or your objective's) of a registered version on one device "
                              "(the evaluate-model flow)", **kw), EvaluateParams)
-    add_model(sub.add_parser("infer", help="predictions of a registered version for a tensor file, "
+    add_model(sub.add_parser("infer", help="predictions of a registered version for a file of inputs, "
                              "on one device", **kw), InferParams)
     probe = sub.add_parser("probe", help="print GPUs, driver/CUDA/NCCL versions and backends")
     probe.add_argument("--json", action="store_true", help="machine-readable output")
