@@ -20,6 +20,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model,
 
 from gpuflow.tasks.assign import GPUS_HELP, DevicePlan, one_device, parse_gpus
 from gpuflow.training import TrainConfig
+from gpuflow.training.contract import RunFolder
 from gpuflow.training.errors import UserError
 
 from .calls import entered
@@ -168,7 +169,7 @@ class PipelineParams(TrainConfig):
             fields["device"] = plan.device
             fields["device_ids"] = plan.logical_ids if plan.strategy == "dp" and plan.device == "cuda" else None
         if workdir:
-            fields["checkpoint_dir"] = str(workdir / "checkpoints")
+            fields["checkpoint_dir"] = str(RunFolder(workdir).checkpoints)
         fields["data_cache"] = data_cache
         return TrainConfig(**fields)
 
@@ -279,7 +280,8 @@ class InferParams(BaseModel):
     """Predictions of a registered version (or a checkpoint file) for a file of inputs, on one device."""
 
     inputs: Annotated[str, AfterValidator(check_file)] = Field(
-        description="a .pt file holding {'inputs': tensor of N samples}")
+        description="N samples: a .pt file holding {'inputs': tensor or {name: tensor}}, a .npy array, "
+        "or a .npz of named arrays")
     registered_model: RegisteredModel = "gpuflow-model"
     version: Version = "champion"
     checkpoint: InputFile = Field(None, description="use this checkpoint file instead of a registered version")

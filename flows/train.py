@@ -17,6 +17,7 @@ from gpuflow.tasks import orphans, results, tracking
 from gpuflow.tasks.assign import DevicePlan
 from gpuflow.tasks.data import DatasetInfo, prepare_dataset
 from gpuflow.tasks.launch import TrainingFailed, launch_training, preflight
+from gpuflow.training.contract import RunFolder
 from gpuflow.training.errors import UserError
 
 from .params import PipelineParams, flat_parameters
@@ -97,7 +98,7 @@ def train(params: PipelineParams, plan: DevicePlan, data: DatasetInfo, run: trac
     run.log_params(params.run_params(config, plan))
     launch = launcher(params)
     with timer("launch"), run.relaying_metrics():
-        return launch(config.to_json(run.workdir / "config.json"), plan, params, run.workdir, run.metrics_file,
+        return launch(config.to_json(RunFolder(run.workdir).config), plan, params, run.workdir, run.metrics_file,
                       hold_fds=cards)
 
 
@@ -110,7 +111,7 @@ def train_node(params: PipelineParams, plan: DevicePlan, data: DatasetInfo, time
                cards: tuple[int, ...]) -> dict:
     """A node other than 0 of a multi-node job: train in its own folder, log nothing."""
     workdir = Path(params.runs_dir).resolve() / f"node{params.node_rank}-{uuid.uuid4().hex[:8]}"
-    config = params.train_config(plan, workdir, data.cache, data.num_classes).to_json(workdir / "config.json")
+    config = params.train_config(plan, workdir, data.cache, data.num_classes).to_json(RunFolder(workdir).config)
     with timer("launch"):
         result = launcher(params)(config, plan, params, workdir, hold_fds=cards)
     return {"node_rank": params.node_rank, "result": result, "timings": timer.seconds}

@@ -25,15 +25,15 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from gpuflow.training.errors import UserError
-from gpuflow.training.contract import (DIST_TIMEOUT_ENV, ERROR_DIR_ENV, PROCESS_GROUP_FILE, PROCESS_GROUP_FILE_ENV,
-                                       describe, read_error)
+from gpuflow.training.contract import (CARD_LOCKS_ENV, CARD_OWNER_ENV, DIST_TIMEOUT_ENV, ERROR_DIR_ENV,
+                                       LAUNCH_ATTEMPT_ENV, METRICS_FILE_ENV, OUTPUT_DIR_ENV, PROCESS_GROUP_FILE_ENV,
+                                       RunFolder, describe, read_error)
 from gpuflow.training.reaper import grace_seconds, start_supervised
 
 from .assign import DevicePlan
 from .cards import rank_lock_files
 
 TAIL_LINES = 40
-ATTEMPT_ENV = "GPUFLOW_LAUNCH_ATTEMPT"  # a Prefect retry of the launch is a restart for the worker
 
 
 class LaunchRequest(Protocol):
@@ -171,7 +171,7 @@ def _terminate(proc: subprocess.Popen) -> None:
 
 def error_folder(workdir: Path) -> dict:
     """Where the ranks of this launch leave their errors (training/contract.py), emptied first."""
-    folder = workdir / "errors"
+    folder = RunFolder(workdir).errors
     shutil.rmtree(folder, ignore_errors=True)
     return {ERROR_DIR_ENV: str(folder)}
 
@@ -179,7 +179,7 @@ def error_folder(workdir: Path) -> dict:
 def failure(what: str, code: int, workdir: Path, tail: list[str], log_name: str) -> TrainingFailed:
     """The failure as one first line naming its cause (the first rank's own exception and where
     it was raised), then the last lines of output."""
-    record = read_error(workdir / "errors")
+    record = read_error(RunFolder(workdir).errors)
     last = next((line for line in reversed(tail) if line.strip()), "no output")
     cause = describe(record) if record else f"exited with code {code}; its last line: {last.strip()[:500]}"
     return TrainingFailed(f"{what} failed: {cause}\nlast output (all of it in the run's logs/{log_name}):\n"
@@ -189,21 +189,18 @@ def failure(what: str, code: int, workdir: Path, tail: list[str], log_name: str)
 def child_environment(plan: DevicePlan, metrics_file: Path | None = None) -> dict:
     """The plan's device variables, where global rank 0 appends its per-epoch metrics, and the
     cards' lock files that every process of the child holds while it lives (training/cardlock.py)."""
-    from gpuflow.training.cardlock import CARD_LOCKS_ENV, OWNER_ENV
-    from gpuflow.training.metrics import METRICS_FILE_ENV
-
     env = plan.child_environ()
     env["PYTHONUNBUFFERED"] = "1"
     if plan.nproc_per_node > 1:  # torchrun's own default, set here so it does not print its banner
         env.setdefault("OMP_NUM_THREADS", "1")
-    for inherited in ("MLFLOW_RUN_ID", METRICS_FILE_ENV, CARD_LOCKS_ENV, OWNER_ENV):  # the ranks never talk to MLflow;
+    for inherited in ("MLFLOW_RUN_ID", METRICS_FILE_ENV, CARD_LOCKS_ENV, CARD_OWNER_ENV):  # the ranks never talk to MLflow;
         # the others are this child's own, set below
         env.pop(inherited, None)
     if metrics_file:
         env[METRICS_FILE_ENV] = str(metrics_file)
     if plan.uuids:  # the caller holds card_locks(plan), which made these files
         env[CARD_LOCKS_ENV] = os.pathsep.join(map(str, rank_lock_files(plan)))
-        env[OWNER_ENV] = str(os.getpid())
+        env[CARD_OWNER_ENV] = str(os.getpid())
     return env
 
 
@@ -211,12 +208,13 @@ def launch(config: Path, plan: DevicePlan, opts: LaunchRequest, workdir: Path, l
            metrics_file: Path | None = None, hold_fds: tuple[int, ...] = (), attempt: int = 1) -> dict:
     """Run the worker for `config` with the plan's devices; its results JSON."""
     check_rendezvous(opts)
-    result = workdir / "result.json"
+    folder = RunFolder(workdir)
+    result = folder.result
     result.unlink(missing_ok=True)
     cmd = build_command(plan, opts, config, result)
     log.info("launching: %s", " ".join(cmd))
-    env = child_environment(plan, metrics_file) | {ATTEMPT_ENV: str(attempt), **error_folder(workdir)}
-    code, tail = run_child(cmd, env, workdir, log, hold_fds, log_file=workdir / "logs" / "worker.log")
+    env = child_environment(plan, metrics_file) | {LAUNCH_ATTEMPT_ENV: str(attempt), **error_folder(workdir)}
+    code, tail = run_child(cmd, env, workdir, log, hold_fds, log_file=folder.log("worker.log"))
     if code != 0:
         raise failure("training", code, workdir, tail, "worker.log")
     if not result.is_file():
@@ -250,8 +248,6 @@ def script_environment(plan: DevicePlan, workdir: Path, metrics_file: Path, trac
     absolute store URI: the script's folder is not the flow's business), and its output folder."""
     import mlflow
 
-    from gpuflow.training.metrics import OUTPUT_DIR_ENV
-
     from .store import absolute_uri
 
     env = child_environment(plan, metrics_file)
@@ -263,7 +259,7 @@ def script_environment(plan: DevicePlan, workdir: Path, metrics_file: Path, trac
             # a fresh store (hosted by rank 0) per torchrun attempt: the agent's shared one keeps
             # the previous attempt's addresses, and a restarted rank dialled a dead peer (pytorch#167288)
             "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-            OUTPUT_DIR_ENV: str(workdir / "outputs")}
+            OUTPUT_DIR_ENV: str(RunFolder(workdir).outputs)}
     return env
 
 
@@ -276,21 +272,21 @@ def launch_script(opts: ScriptRequest, plan: DevicePlan, workdir: Path, metrics_
 
     from gpuflow.tasks.store import default_tracking_uri
 
-    log = get_run_logger()
-    (workdir / "outputs").mkdir(parents=True, exist_ok=True)
+    log, folder = get_run_logger(), RunFolder(workdir)
+    folder.outputs.mkdir(parents=True, exist_ok=True)
     # per-rank logs (logs/ranks/<job>/attempt_<n>/<local rank>/std{out,err}.log, logged with the run)
     # and every console line tagged with its global rank
     # run by gpuflow's runner, as `python script.py` would: whole lines, the run's collective
     # timeout, and the script's own exception left for the flow (training/runscript.py)
-    cmd = [*torchrun(plan, opts), f"--log-dir={workdir / 'logs' / 'ranks'}", "--tee=3",
+    cmd = [*torchrun(plan, opts), f"--log-dir={folder.logs / 'ranks'}", "--tee=3",
            "--log-line-prefix-template=[rank${rank}]:", "-m", "gpuflow.training.runscript", opts.script,
            *opts.script_args]
     log.info("launching: %s", " ".join(cmd))
     env = script_environment(plan, workdir, metrics_file, opts.tracking_uri or default_tracking_uri())
-    (workdir / PROCESS_GROUP_FILE).unlink(missing_ok=True)  # rank 0 writes it afresh when the script ends well
+    folder.process_group.unlink(missing_ok=True)  # rank 0 writes it afresh when the script ends well
     env |= {**error_folder(workdir), DIST_TIMEOUT_ENV: str(opts.dist_timeout_s),
-            PROCESS_GROUP_FILE_ENV: str(workdir / PROCESS_GROUP_FILE)}
-    code, tail = run_child(cmd, env, Path.cwd(), log, hold_fds, log_file=workdir / "logs" / "script.log")
+            PROCESS_GROUP_FILE_ENV: str(folder.process_group)}
+    code, tail = run_child(cmd, env, Path.cwd(), log, hold_fds, log_file=folder.log("script.log"))
     if code != 0:
         raise failure(Path(opts.script).name, code, workdir, tail, "script.log")
 

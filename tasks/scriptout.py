@@ -20,7 +20,7 @@ import os
 from datetime import datetime
 from pathlib import Path
 
-from gpuflow.training.contract import PROCESS_GROUP_FILE, not_distributed, read_process_group
+from gpuflow.training.contract import RunFolder, not_distributed, read_process_group
 
 from .tracking import TrackedRun
 
@@ -86,15 +86,15 @@ def gather(run: TrackedRun, patterns: list[str], cwd: Path, launched: float | No
     """
     from gpuflow.training.metrics import MODEL_FILE  # torch-free: no torch import when there is nothing to load
 
-    workdir = run.workdir.resolve()
-    outputs = workdir / "outputs"
+    folder = RunFolder(run.workdir.resolve())
+    outputs = folder.outputs
     produced, skipped = plain_files(outputs)
     collected, refused = collected_files(patterns, cwd)
-    logs, linked_logs = plain_files(workdir / "logs")
+    logs, linked_logs = plain_files(folder.logs)
     skipped += refused + linked_logs
-    for folder, files, artifact_dir in ((outputs, produced, "outputs"), (workdir / "logs", logs, "logs")):
+    for root, files, artifact_dir in ((outputs, produced, "outputs"), (folder.logs, logs, "logs")):
         for p in files:
-            _log_file(run, p, str(Path(artifact_dir) / p.parent.relative_to(folder)), skipped)
+            _log_file(run, p, str(Path(artifact_dir) / p.parent.relative_to(root)), skipped)
     for p in collected:
         _log_file(run, p, "collected", skipped)
     if skipped:
@@ -134,7 +134,7 @@ def _when(timestamp: float) -> str:
 def flag_not_distributed(run: TrackedRun) -> str | None:
     """When the script's processes never joined a process group (rank 0's record in the run
     folder), say so in the `gpuflow.not_distributed` tag and a warning; the message, else None."""
-    record = read_process_group(run.workdir / PROCESS_GROUP_FILE)
+    record = read_process_group(RunFolder(run.workdir).process_group)
     if not record or record["joined"] or record["world_size"] < 2:
         return None
     message = not_distributed(record["script"], record["world_size"])
@@ -161,12 +161,12 @@ def checkpoint_from(run: TrackedRun, source: Path, spec: dict | None, cwd: Path)
         client.log_artifact(run_id, str(source), "checkpoints")
         client.set_tag(run_id, "gpuflow.checkpoint", f"{source.name} logged unchanged, not de-prefixed: {e}"[:4000])
         return {"checkpoint": None}
-    folder = run.workdir / "checkpoint"
+    folder = RunFolder(run.workdir).script_checkpoint
     payload = {"model": state, "source": str(source), "found_at": where}
     if spec:  # what `gpuflow infer` rebuilds (training/evaluate.py), as for the registered model
         payload |= {"model_spec": spec, "code_root": str(cwd)}
     checkpoint = save_file(folder / source.name, payload)
-    weights = save_file(run.workdir / "weights.pt", state)
+    weights = save_file(RunFolder(run.workdir).weights, state)
     client.log_artifact(run_id, str(checkpoint), "checkpoints")
     client.set_tag(run_id, "gpuflow.checkpoint", f"{source.name}: state dict at {where}, {len(state)} tensors, "
                    "prefixes stripped; loads with load_state_dict(ck['model'], strict=True)")

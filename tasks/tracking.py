@@ -24,6 +24,7 @@ import mlflow
 from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 
+from gpuflow.training.contract import RunFolder
 from gpuflow.training.metrics import parse_line
 
 from .orphans import owner_tags, reap_orphaned_runs
@@ -135,7 +136,7 @@ class TrackedRun:
 
     @property
     def metrics_file(self) -> Path:
-        return self.workdir / "metrics.jsonl"
+        return RunFolder(self.workdir).metrics
 
     def log_params(self, params: dict) -> None:
         self.client.log_batch(self.run_id, params=[mlflow.entities.Param(k, v) for k, v in

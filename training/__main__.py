@@ -61,12 +61,13 @@ def _train(cfg, metrics, config_path: str, result_path: str | None, freeze_impor
         trainer = Trainer(cfg, ctx, data.load_data(cfg, fingerprint=False), metrics)
         result = trainer.train()
         if ctx.is_main:
-            out = Path(result_path or Path(config_path).with_name("result.json"))
-            result["weights"] = str(trainer.save_weights(out.with_name("weights.pt")))
+            folder = contract.RunFolder(Path(result_path).parent if result_path else Path(config_path).parent)
+            out = Path(result_path) if result_path else folder.result
+            result["weights"] = str(trainer.save_weights(folder.weights))
             example, result["output_spec"] = trainer.example()
             if example is not None:
                 data, suffix = _npy_bytes(example)
-                result["input_example"] = str(atomic_write(out.with_name("input_example" + suffix),
+                result["input_example"] = str(atomic_write(folder.input_example(suffix),
                                                            lambda tmp: tmp.write_bytes(data)))
             write_json_atomic(out, result)
         # Leave together: a rank that tears gloo down while rank 0 still writes result.json

@@ -12,10 +12,10 @@ from __future__ import annotations
 import fcntl
 import os
 
+from .contract import CARD_LOCKS_ENV, CARD_OWNER_ENV
 from .errors import UserError
 
-CARD_LOCKS_ENV = "GPUFLOW_CARD_LOCKS"
-OWNER_ENV = "GPUFLOW_CARD_OWNER"  # pid of the flow holding the cards' run locks
+OWNER_ENV = CARD_OWNER_ENV
 
 
 def hold_card_locks(environ: dict | None = None) -> list[int]:

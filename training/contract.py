@@ -23,12 +23,49 @@ import time
 import traceback
 from pathlib import Path
 
-ERROR_DIR_ENV = "GPUFLOW_ERROR_DIR"
+# --- what the flow tells its children, by environment variable ----------------------------
+ERROR_DIR_ENV = "GPUFLOW_ERROR_DIR"  # where a failing rank leaves its error (write_error)
+OUTPUT_DIR_ENV = "GPUFLOW_OUTPUT_DIR"  # a user script's output folder, logged as artifacts (helper.py)
+METRICS_FILE_ENV = "GPUFLOW_METRICS_FILE"  # the JSON lines rank 0 appends, relayed to MLflow (metrics.py)
+CARD_LOCKS_ENV = "GPUFLOW_CARD_LOCKS"  # the card-lock files every process started takes a shared lock on
+CARD_OWNER_ENV = "GPUFLOW_CARD_OWNER"  # pid of the flow holding the cards' run locks
+LAUNCH_ATTEMPT_ENV = "GPUFLOW_LAUNCH_ATTEMPT"  # a Prefect retry of the launch is a restart for the worker
+STOP_GRACE_ENV = "GPUFLOW_STOP_GRACE_S"  # seconds between SIGTERM and SIGKILL when a run stops (reaper.py)
+FAULT_ENV = "GPUFLOW_FAULT"  # tests only: kill a rank at a chosen point (faults.py)
 DIST_TIMEOUT_ENV = "GPUFLOW_DIST_TIMEOUT_S"  # a user script's default collective timeout (runscript.py)
 PROCESS_GROUP_FILE_ENV = "GPUFLOW_PROCESS_GROUP_FILE"  # where rank 0 records whether the script joined one
-PROCESS_GROUP_FILE = "process_group.json"  # its name in the run folder
 JOIN_GRACE_ENV = "GPUFLOW_JOIN_GRACE_S"  # how long rank 0 may run without a process group before a warning
 JOIN_GRACE_S = 60.0  # long enough for a script's data preparation before init_process_group
+PROCESS_GROUP_FILE = "process_group.json"  # its name in the run folder
+
+
+class RunFolder:
+    """A run's folder (`<runs_dir>/<run id>`) and every file and folder the flow and its
+    children write there."""
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+
+    config = property(lambda self: self.root / "config.json")  # the worker's TrainConfig (flow)
+    result = property(lambda self: self.root / "result.json")  # the worker's outcome (rank 0)
+    metrics = property(lambda self: self.root / "metrics.jsonl")  # per-epoch lines, relayed live (rank 0)
+    outputs = property(lambda self: self.root / "outputs")  # a user script's files (GPUFLOW_OUTPUT_DIR)
+    logs = property(lambda self: self.root / "logs")  # the children's output, logged with the run
+    errors = property(lambda self: self.root / "errors")  # attempt-N/rank-R.json of failing ranks
+    process_group = property(lambda self: self.root / PROCESS_GROUP_FILE)  # did a script's rank 0 join one
+    checkpoints = property(lambda self: self.root / "checkpoints")  # the worker's epoch-N.pt (config.checkpoint_dir)
+    weights = property(lambda self: self.root / "weights.pt")  # the trained state dict alone, registered
+    script_checkpoint = property(lambda self: self.root / "checkpoint")  # a script's, de-prefixed by the flow
+
+    def input_example(self, suffix: str) -> Path:
+        """The registered model's input example: .npy (a tensor) or .npz (named inputs)."""
+        return self.root / f"input_example{suffix}"
+
+    def log(self, name: str) -> Path:
+        """logs/<name>: worker.log, script.log."""
+        return self.logs / name
+
+
 _OURS = (str(Path(__file__).resolve().parent), str(Path(os.__file__).resolve().parent))  # gpuflow's and the stdlib
 
 

@@ -26,7 +26,8 @@ from torch import nn
 from .checkpoint import (CheckpointStore, clean_state_dict, load_file, model_state, rng_state, set_rng_state, to_cpu,
                          unwrap)
 from .files import write_json_atomic
-from .metrics import METRICS_FILE_ENV, MODEL_FILE, OUTPUT_DIR_ENV, format_line
+from .contract import METRICS_FILE_ENV, OUTPUT_DIR_ENV, RunFolder
+from .metrics import MODEL_FILE, format_line
 
 
 def output_dir() -> Path:
@@ -44,7 +45,7 @@ def report(metrics: dict[str, float], step: int) -> None:
     if not is_main():
         return
     line = format_line(step, {k: float(v) for k, v in metrics.items()}) + "\n"
-    path = os.environ.get(METRICS_FILE_ENV) or str(output_dir() / "metrics.jsonl")
+    path = os.environ.get(METRICS_FILE_ENV) or str(RunFolder(output_dir()).metrics)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a", encoding="utf-8") as f:  # one whole line per write: the relay reads complete lines
         f.write(line)

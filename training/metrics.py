@@ -12,8 +12,8 @@ import os
 import sys
 import time
 
-METRICS_FILE_ENV = "GPUFLOW_METRICS_FILE"
-OUTPUT_DIR_ENV = "GPUFLOW_OUTPUT_DIR"  # a user script's output folder (gpuflow/training/helper.py)
+from .contract import METRICS_FILE_ENV, OUTPUT_DIR_ENV  # noqa: F401  (OUTPUT_DIR_ENV: helper's)
+
 MODEL_FILE = "model.json"  # in that folder: the model the script declared (reference and kwargs)
 
 

@@ -27,16 +27,16 @@ import time
 
 import psutil
 
+from .contract import STOP_GRACE_ENV
 from .lifetime import die_with_parent
 
 PR_SET_CHILD_SUBREAPER = 36
-GRACE_ENV = "GPUFLOW_STOP_GRACE_S"  # seconds between SIGTERM and SIGKILL (default 10)
 DEFAULT_GRACE_S = 10.0
 POLL_S = 0.05
 
 
 def grace_seconds() -> float:
-    return float(os.environ.get(GRACE_ENV, DEFAULT_GRACE_S))
+    return float(os.environ.get(STOP_GRACE_ENV, DEFAULT_GRACE_S))
 
 
 def supervised(cmd: list[str]) -> list[str]:

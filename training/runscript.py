@@ -25,7 +25,6 @@ import traceback
 from pathlib import Path
 
 from . import contract
-from .metrics import OUTPUT_DIR_ENV
 
 
 def _set_dist_timeout() -> float | None:
@@ -123,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         raise
     except BaseException as e:  # the script's own error: report it as Python would, and leave it for the flow
         deterministic = not isinstance(e, KeyboardInterrupt) and not contract.made_progress(
-            started, os.environ.get(OUTPUT_DIR_ENV), top_level=os.getcwd())
+            started, os.environ.get(contract.OUTPUT_DIR_ENV), top_level=os.getcwd())
         contract.write_error(e, deterministic, _timeout_hint(e, timeout))
         traceback.print_exc()
         return 1

@@ -22,6 +22,7 @@ from .builder import make_model
 from .errors import TrainingDiverged
 from .faults import fault_hook
 from .metrics import MetricsFile
+from .contract import FAULT_ENV, LAUNCH_ATTEMPT_ENV
 from .objective import Totals, apply, batch_len, call_model, concat, load_objective, split_batch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -52,7 +53,7 @@ class Trainer:
         if ctx.is_main:
             self.store.claim()
         self.metrics = metrics or MetricsFile(ctx.is_main)
-        self.fault = fault_hook(os.environ.get("GPUFLOW_FAULT"))
+        self.fault = fault_hook(os.environ.get(FAULT_ENV))
         self.epochs_run = 0
         self.history: list[dict] = []
         self.last_checkpoint: str | None = None
@@ -106,7 +107,7 @@ class Trainer:
         """The run's own newest checkpoint once it has one (a restart continues, whatever
         `resume` says); before that, an explicit file, or nothing."""
         restarted = (int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0  # torchrun's restart
-                     or int(os.environ.get("GPUFLOW_LAUNCH_ATTEMPT", 1)) > 1)  # a Prefect retry
+                     or int(os.environ.get(LAUNCH_ATTEMPT_ENV, 1)) > 1)  # a Prefect retry
         if self.cfg.resume == "never" and not restarted:
             return None
         latest = self.store.latest()
