@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import queue
+import re
 import shutil
 import signal
 import socket
@@ -181,9 +182,32 @@ def failure(what: str, code: int, workdir: Path, tail: list[str], log_name: str)
     it was raised), then the last lines of output."""
     record = read_error(RunFolder(workdir).errors)
     last = next((line for line in reversed(tail) if line.strip()), "no output")
-    cause = describe(record) if record else f"exited with code {code}; its last line: {last.strip()[:500]}"
+    cause = (describe(record) if record else killed(code, tail)
+             or f"exited with code {code}; its last line: {last.strip()[:500]}")
     return TrainingFailed(f"{what} failed: {cause}\nlast output (all of it in the run's logs/{log_name}):\n"
                           + "\n".join(tail[-15:]), deterministic=bool(record and record["deterministic"]))
+
+
+TORCHRUN_SIGNAL = re.compile(r"Signal \d+ \((SIG\w+)\) received by PID")  # torchrun's failure summary
+TORCHRUN_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
+
+
+def killed(code: int, tail: list[str]) -> str | None:
+    """A process ended by a signal (SIGKILL from the out-of-memory killer, say) leaves no error
+    file: the signal, from the reaper's exit code (128 + signal) or torchrun's failure summary."""
+    who, name, rank = "the process", None, None
+    if code > 128 and code - 128 in {s.value for s in signal.Signals}:
+        name = signal.Signals(code - 128).name
+    for line in tail:  # torchrun lists the root cause (the first failure) last
+        if m := TORCHRUN_RANK.match(line):
+            rank = m.group(1)
+        elif m := TORCHRUN_SIGNAL.search(line):
+            who, name = (f"rank {rank}" if rank is not None else who), m.group(1)
+    if not name:
+        return None
+    oom = ("; SIGKILL is also what the kernel's out-of-memory killer sends: see `dmesg` and the run's memory"
+           if name == "SIGKILL" else "")
+    return f"{who} was killed by {name}{oom}"
 
 
 def child_environment(plan: DevicePlan, metrics_file: Path | None = None) -> dict:

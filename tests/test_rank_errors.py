@@ -76,6 +76,27 @@ def test_a_syntax_error_in_a_script_names_its_file_and_line(tmp_path, api_url):
     assert last.startswith("gpuflow run: bad.py failed: SyntaxError: ") and f"(at {folder / 'bad.py'}, line 3;" in last, last
 
 
+def test_a_rank_killed_by_a_signal_names_the_rank_and_the_signal(tmp_path, api_url):
+    """SIGKILL (the out-of-memory killer's) leaves no error file: the line names it from torchrun's summary."""
+    folder = write(tmp_path, "oom.py", "import os, signal, time\nif os.environ['RANK'] == '1':\n"
+                   "    os.kill(os.getpid(), signal.SIGKILL)\ntime.sleep(5)\n")
+    out = gpuflow(["run", "--script", "oom.py", "--gpus", "cpu", "--cpu-processes", "2"], folder, api_url)
+    assert out.returncode == 1, out.stderr[-3000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("gpuflow run: oom.py failed: rank 1 was killed by SIGKILL; SIGKILL is also what the "
+                           "kernel's out-of-memory killer sends"), last
+    (run,) = runs(folder)
+    assert run.info.status == "FAILED" and "rank 1 was killed by SIGKILL" in run.data.tags["error"]
+
+
+def test_a_worker_killed_by_a_signal_is_named_from_its_exit_code():
+    from gpuflow.tasks.launch import killed
+
+    assert killed(128 + 9, ["no summary"]).startswith("the process was killed by SIGKILL")
+    assert killed(128 + 15, []) == "the process was killed by SIGTERM"
+    assert killed(1, ["Traceback", "ValueError: x"]) is None
+
+
 def test_a_directory_given_as_the_script_is_named_as_one(tmp_path, api_url):
     (tmp_path / "scripts").mkdir()
     out = gpuflow(["run", "--script", "scripts"], tmp_path, api_url)
