@@ -14,6 +14,7 @@ from typing import Literal, Protocol
 from prefect import task
 from pydantic import BaseModel
 
+from gpuflow.training.config import FP16_NEEDS_CUDA
 from gpuflow.training.errors import UserError
 
 from .cards import CardLocks
@@ -207,7 +208,7 @@ def _check_batch_and_precision(plan: DevicePlan, report: EnvironmentReport, batc
         raise AssignmentError(f"global batch_size {batch} does not split evenly over "
                               f"{plan.nproc_per_node} processes; use a multiple of {plan.nproc_per_node}")
     if precision == "fp16" and plan.device == "cpu":
-        raise AssignmentError("precision 'fp16' needs CUDA and this plan runs on CPU; use 'bf16' or 'fp32'")
+        raise AssignmentError(FP16_NEEDS_CUDA)
     if precision == "bf16" and plan.device == "cuda":
         old = [g for g in report.gpus if g.index in plan.physical_ids and not g.bf16]
         if old:

@@ -20,6 +20,9 @@ OBJECTIVES = ("classification", "model-loss")  # training/objective.py implement
 BUILTIN_MODELS_MODULE = "gpuflow.training.models"  # where the built-ins live (torch-free name for the flow)
 BUILTIN_DATASETS = ("digits", "synthetic", "mnist", "fashion-mnist", "cifar10")
 Precision = Literal["fp32", "bf16", "fp16"]
+# The rule, stated once: the device plan decides it (tasks/assign.py); the worker's config and
+# its device pick (training/distributed.py) assert it.
+FP16_NEEDS_CUDA = "precision 'fp16' needs CUDA and this run is on CPU; use 'bf16' or 'fp32'"
 Strategy = Literal["single", "dp", "ddp"]
 
 
@@ -138,10 +141,7 @@ class TrainConfig(BaseModel):
     @model_validator(mode="after")
     def _consistent(self) -> "TrainConfig":
         if self.precision == "fp16" and self.device == "cpu":
-            raise ValueError(
-                "precision 'fp16' needs a CUDA device but device is 'cpu'; "
-                "use precision 'bf16' or 'fp32' on CPU"
-            )
+            raise ValueError(FP16_NEEDS_CUDA)
         if self.device_ids is not None and self.strategy != "dp":
             raise ValueError("device_ids applies to strategy 'dp' only; leave it unset")
         if self.model_args and not refs.is_reference(self.model):

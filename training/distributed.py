@@ -9,7 +9,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .config import TrainConfig
+from .config import FP16_NEEDS_CUDA, TrainConfig
 from .errors import UserError
 
 
@@ -44,7 +44,7 @@ def _pick_device(cfg: TrainConfig, local_rank: int) -> torch.device:
         )
     if not (cuda and cfg.device != "cpu"):
         if cfg.precision == "fp16":
-            raise LaunchError("precision 'fp16' needs CUDA and this run is on CPU; use 'bf16' or 'fp32'")
+            raise LaunchError(FP16_NEEDS_CUDA)
         return torch.device("cpu")
     if cfg.strategy != "ddp":
         return torch.device("cuda", 0)
