@@ -29,7 +29,12 @@ from typing import IO, Iterator
 
 from gpuflow.training.lifetime import die_with_parent
 
-STARTUP_TIMEOUT_S = float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", 180))
+STARTUP_TIMEOUT_ENV = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"  # Prefect's own name, read by both
+STARTUP_TIMEOUT_DEFAULT_S = 180  # a `prefect server start` takes ~10 s when idle, far more on a busy host
+
+
+def startup_timeout() -> float:
+    return float(os.environ.get(STARTUP_TIMEOUT_ENV) or STARTUP_TIMEOUT_DEFAULT_S)
 
 
 def _free_port() -> int:
@@ -72,11 +77,11 @@ def _acquire(lock: IO[str], path: Path) -> None:
     if _try_lock(lock):
         return
     print("gpuflow: waiting for another Prefect API on this PREFECT_HOME to start", file=sys.stderr, flush=True)
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    deadline = time.monotonic() + startup_timeout()
     while not _try_lock(lock):
         if time.monotonic() > deadline:
-            raise RuntimeError(f"another Prefect API start held {path} for over {STARTUP_TIMEOUT_S:.0f} s "
-                               "(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS); "
+            raise RuntimeError(f"another Prefect API start held {path} for over {startup_timeout():.0f} s "
+                               f"({STARTUP_TIMEOUT_ENV}); "
                                "set PREFECT_API_URL to use a running server")
         time.sleep(0.2)
 
@@ -124,13 +129,13 @@ def _start_server() -> str:
 
 def wait_until_up(server: subprocess.Popen, url: str, log: IO[str] | None = None) -> None:
     """Returns once the server at url answers (its migrations done); raises if it exits or is late."""
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    deadline = time.monotonic() + startup_timeout()
     while not _healthy(url):
         if server.poll() is not None:
             raise RuntimeError(f"the Prefect API exited ({server.returncode}): {_tail(log)}")
         if time.monotonic() > deadline:
-            raise RuntimeError(f"the Prefect API on {url} was not up within {STARTUP_TIMEOUT_S:.0f} s "
-                               "(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS)")
+            raise RuntimeError(f"the Prefect API on {url} was not up within {startup_timeout():.0f} s "
+                               f"({STARTUP_TIMEOUT_ENV})")
         time.sleep(0.2)
 
 

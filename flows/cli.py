@@ -31,14 +31,14 @@ from gpuflow.training.errors import UserError
 from gpuflow.training.lifetime import exit_on_sigterm
 from gpuflow.training.refs import check_references
 
-from .api import prefect_api
+from .api import STARTUP_TIMEOUT_DEFAULT_S, STARTUP_TIMEOUT_ENV, prefect_api
 from .calls import one_line, quiet_libraries
 
 from .params import EvaluateParams, InferParams, PipelineParams, ScriptParams, origin_is, user_fields
 from .settings import Settings, server_command, ui_command
 
-os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 quiet_libraries()  # before MLflow is imported, which reads its logging level once
+os.environ.setdefault(STARTUP_TIMEOUT_ENV, str(STARTUP_TIMEOUT_DEFAULT_S))  # for every server a command starts
 
 REST = "rest"  # json_schema_extra={"cli": REST}: the field takes every argument after `--`
 
