@@ -57,9 +57,9 @@ def model_checkpoint(params: EvaluateParams | InferParams, folder: Path) -> tupl
         return Path(params.checkpoint), None
     uri = params.tracking_uri or store.default_tracking_uri()
     store.require_store(uri)  # reading only: never leave an empty mlflow.db behind
-    store.prepare_store(uri)
-    version = resolve_version(params.registered_model, params.version)
-    return checkpoint_of(params.registered_model, version, folder), version
+    client = store.prepare_store(uri)
+    version = resolve_version(client, params.registered_model, params.version)
+    return checkpoint_of(client, params.registered_model, version, folder), version
 
 
 def predict(params: InferParams) -> dict | None:

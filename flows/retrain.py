@@ -74,19 +74,20 @@ def challenge(params: RetrainParams, uri: str) -> dict:
     client = store.prepare_store(uri)
     name = params.registered_model
     challenger_v = str(trained["model_version"])
-    champion_v = champion_version(name)
+    champion_v = champion_version(client, name)
     # The evaluations use a device as training does: a slot of the host's limit, the card's lock.
     with device_slot():
         plan = one_device_plan(probe_environment(), params.eval_gpus)
         with card_locks(plan) as locks:
             # Held-out data: the challenger's validation split, for both models.
-            challenger = evaluate_version(name, challenger_v, plan, dataset=params.dataset, hold_fds=locks.fds)
-            champion = (evaluate_version(name, champion_v, plan, dataset=params.dataset, hold_fds=locks.fds)
+            challenger = evaluate_version(client, name, challenger_v, plan, dataset=params.dataset,
+                                          hold_fds=locks.fds)
+            champion = (evaluate_version(client, name, champion_v, plan, dataset=params.dataset, hold_fds=locks.fds)
                         if champion_v and champion_v != challenger_v else None)
     metric, mode = compared(params.metric, challenger)
     promoted = is_better(challenger, champion, metric, mode)
     if promoted:
-        promote(name, challenger_v)
+        promote(client, name, challenger_v)
     decision = {
         "retrain.decision": "promoted" if promoted else "kept champion",
         "retrain.metric": metric,

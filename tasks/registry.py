@@ -30,12 +30,10 @@ class ModelNotFound(UserError):
     """No registered model of that name in the tracking store."""
 
 
-def check_model_exists(name: str) -> None:
+def check_model_exists(client, name: str) -> None:
     """Refuse a registered-model name the store does not hold, naming those it does."""
-    import mlflow
     from mlflow.exceptions import MlflowException
 
-    client = mlflow.MlflowClient()
     try:
         client.get_registered_model(name)
         return
@@ -44,31 +42,28 @@ def check_model_exists(name: str) -> None:
             raise
     names = [m.name for m in client.search_registered_models(max_results=20)]
     there = f"the models there: {', '.join(names)}" if names else "it holds no registered model yet (train one first)"
-    raise ModelNotFound(f"registered model {name!r} does not exist in {mlflow.get_tracking_uri()}; {there}; "
+    raise ModelNotFound(f"registered model {name!r} does not exist in {client.tracking_uri}; {there}; "
                         "pass --registered-model NAME")
 
 
-def champion_version(name: str) -> str | None:
+def champion_version(client, name: str) -> str | None:
     """The version holding the `champion` alias, or None (no model / no alias yet)."""
-    import mlflow
     from mlflow.exceptions import MlflowException
 
     try:
-        return str(mlflow.MlflowClient().get_model_version_by_alias(name, CHAMPION).version)
+        return str(client.get_model_version_by_alias(name, CHAMPION).version)
     except MlflowException:
         return None
 
 
-def resolve_version(name: str, version: str) -> str:
+def resolve_version(client, name: str, version: str) -> str:
     """A version number, or the one the `champion` alias points at."""
-    check_model_exists(name)
+    check_model_exists(client, name)
     if version != CHAMPION:
         return version
-    found = champion_version(name)
+    found = champion_version(client, name)
     if found is None:
-        import mlflow
-
-        have = sorted(int(v.version) for v in mlflow.MlflowClient().search_model_versions(f"name='{name}'"))
+        have = sorted(int(v.version) for v in client.search_model_versions(f"name='{name}'"))
         newest = have[-1] if have else "N"
         raise UserError(f"model {name!r} has no 'champion' yet (the retrain flow sets it); choose one of its versions "
                         f"({', '.join(map(str, have)) or 'none'}): --version {newest} on the command line, "
@@ -76,17 +71,15 @@ def resolve_version(name: str, version: str) -> str:
     return found
 
 
-def checkpoint_of(name: str, version: str, dest: Path) -> Path:
+def checkpoint_of(client, name: str, version: str, dest: Path) -> Path:
     """Download the de-prefixed checkpoint logged by the run that produced a version."""
-    import mlflow
     from mlflow.exceptions import MlflowException
 
-    client = mlflow.MlflowClient()
     try:
         run_id = client.get_model_version(name, version).run_id
     except MlflowException as e:
         raise UserError(f"registered model {name!r} has no version {version!r} in "
-                        f"{mlflow.get_tracking_uri()} ({e.error_code}); list them in the MLflow UI") from None
+                        f"{client.tracking_uri} ({e.error_code}); list them in the MLflow UI") from None
     files = [f.path for f in client.list_artifacts(run_id, "checkpoints") if f.path.endswith(".pt")]
     if not files:
         raise UserError(f"model {name} v{version} (run {run_id}) has no logged checkpoint; "
@@ -122,18 +115,16 @@ def evaluate_checkpoint(checkpoint: Path, plan: DevicePlan, split: str = "val", 
 
 
 @task(name="evaluate-version", cache_policy=NO_CACHE)
-def evaluate_version(name: str, version: str, plan: DevicePlan, dataset: str | None = None,
+def evaluate_version(client, name: str, version: str, plan: DevicePlan, dataset: str | None = None,
                      data_root: str | None = None, hold_fds: tuple[int, ...] = ()) -> dict:
     """Fetch a registered version's checkpoint and evaluate it on the plan's device."""
     with tempfile.TemporaryDirectory() as d:
-        ck = checkpoint_of(name, version, Path(d))
+        ck = checkpoint_of(client, name, version, Path(d))
         return evaluate_checkpoint.fn(ck, plan, dataset=dataset, data_root=data_root,
                                       hold_fds=hold_fds) | {"version": version}
 
 
 @task(name="promote", cache_policy=NO_CACHE)
-def promote(name: str, version: str) -> None:
+def promote(client, name: str, version: str) -> None:
     """Point the `champion` alias at `version`."""
-    import mlflow
-
-    mlflow.MlflowClient().set_registered_model_alias(name, CHAMPION, version)
+    client.set_registered_model_alias(name, CHAMPION, version)

@@ -101,10 +101,10 @@ def test_evaluate_in_an_empty_folder_says_there_is_no_store_and_creates_none(tmp
 
 
 def test_a_model_name_the_store_lacks_is_named_with_the_ones_it_holds(tmp_path):
-    store.prepare_store(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    mlflow.MlflowClient().create_registered_model("digits-mlp")
+    client = store.prepare_store(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    client.create_registered_model("digits-mlp")
     for version in ("champion", "1"):
         with pytest.raises(UserError) as e:
-            resolve_version("gpuflow-model", version)
+            resolve_version(client, "gpuflow-model", version)
         assert "registered model 'gpuflow-model' does not exist" in str(e.value)
         assert "the models there: digits-mlp" in str(e.value) and "champion' alias" not in str(e.value)
