@@ -55,7 +55,7 @@ def model_checkpoint(params: EvaluateParams | InferParams, folder: Path) -> tupl
     """The checkpoint file to use, and the registered version it came from (None for a file)."""
     if params.checkpoint:
         return Path(params.checkpoint), None
-    uri = params.tracking_uri or store.default_tracking_uri()
+    uri = params.tracking_uri
     store.require_store(uri)  # reading only: never leave an empty mlflow.db behind
     client = store.prepare_store(uri)
     version = resolve_version(client, params.registered_model, params.version)

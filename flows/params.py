@@ -37,9 +37,13 @@ def check_name(v: str) -> str:
     return v
 
 
-def check_tracking_uri(v: str | None) -> str | None:
+def check_tracking_uri(v: str | None) -> str:
+    """The store's URI; unset, resolved here once for the whole run (MLFLOW_TRACKING_URI, else
+    mlflow.db in the working folder)."""
     if v is None:
-        return v
+        from gpuflow.tasks.store import default_tracking_uri
+
+        return default_tracking_uri()
     scheme = v.split(":", 1)[0].split("+", 1)[0] if ":" in v else ""
     if scheme not in URI_SCHEMES:
         hint = f"sqlite:///{os.path.abspath(v)}" if v.endswith(".db") else "sqlite:///<path>/mlflow.db"
@@ -65,7 +69,7 @@ def check_cores(name: str, value: int) -> None:
 Gpus = Annotated[str, AfterValidator(parse_gpus), Field(description=GPUS_HELP)]
 TrackingUri = Annotated[str | None, AfterValidator(check_tracking_uri),
                         Field(description="MLflow URI (default: MLFLOW_TRACKING_URI, else "
-                              "sqlite:///<working directory>/mlflow.db)")]
+                              "sqlite:///<working directory>/mlflow.db)", validate_default=True)]
 Name = Annotated[str, AfterValidator(check_name)]
 RegisteredModel = Annotated[Name, Field(description="Model Registry name")]
 def check_version(v: str | int) -> str:

@@ -60,7 +60,7 @@ def outcome(promoted: bool, challenger: dict, champion: dict | None, metric: str
 def retrain(params: RetrainParams) -> dict:
     """Train a challenger with the pipeline and move `champion` to it only if it is better."""
     check_allowed(params)
-    uri = params.tracking_uri or store.default_tracking_uri()
+    uri = params.tracking_uri
     try:
         return challenge(params, uri)
     finally:

@@ -64,7 +64,7 @@ class Session:
         and plan artifacts; ended FINISHED, FAILED or KILLED whatever happens."""
         p = self.params
         self.name = name = current_name(p.run_name, name_stem)
-        with tracking.tracked_run(p.tracking_uri or store.default_tracking_uri(), p.experiment, name,
+        with tracking.tracked_run(p.tracking_uri, p.experiment, name,
                                   {**plan_tags(self.plan, world_size), **tags}, dataset, p.runs_dir) as run:
             run.log_json(self.report.model_dump(mode="json"), "environment_report.json", "environment")
             run.log_json(self.plan.model_dump(mode="json"), "device_plan.json", "environment")

@@ -263,7 +263,7 @@ class ScriptRequest(LaunchRequest, Protocol):
 
     script: str
     script_args: list[str]
-    tracking_uri: str | None
+    tracking_uri: str
     dist_timeout_s: float
 
 
@@ -294,8 +294,6 @@ def launch_script(opts: ScriptRequest, plan: DevicePlan, workdir: Path, metrics_
     gpuflow runs in; stream its output to the flow's log and logs/script.log."""
     from prefect import get_run_logger
 
-    from gpuflow.tasks.store import default_tracking_uri
-
     log, folder = get_run_logger(), RunFolder(workdir)
     folder.outputs.mkdir(parents=True, exist_ok=True)
     # per-rank logs (logs/ranks/<job>/attempt_<n>/<local rank>/std{out,err}.log, logged with the run)
@@ -306,7 +304,7 @@ def launch_script(opts: ScriptRequest, plan: DevicePlan, workdir: Path, metrics_
            "--log-line-prefix-template=[rank${rank}]:", "-m", "gpuflow.training.runscript", opts.script,
            *opts.script_args]
     log.info("launching: %s", " ".join(cmd))
-    env = script_environment(plan, workdir, metrics_file, opts.tracking_uri or default_tracking_uri())
+    env = script_environment(plan, workdir, metrics_file, opts.tracking_uri)
     folder.process_group.unlink(missing_ok=True)  # rank 0 writes it afresh when the script ends well
     env |= {**error_folder(workdir), DIST_TIMEOUT_ENV: str(opts.dist_timeout_s),
             PROCESS_GROUP_FILE_ENV: str(folder.process_group)}

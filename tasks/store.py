@@ -12,10 +12,12 @@ import subprocess
 from contextlib import closing, contextmanager
 from pathlib import Path
 
-import mlflow
-from mlflow.tracking import MlflowClient
+from typing import TYPE_CHECKING
 
 from gpuflow.training.errors import UserError
+
+if TYPE_CHECKING:  # MLflow is imported where it is used: this module's defaults need none of it
+    from mlflow.tracking import MlflowClient
 
 FLOW_RUN_TAG = "prefect.flow_run_id"  # on every run: finds a flow run's MLflow run
 
@@ -56,6 +58,9 @@ def prepare_store(uri: str) -> MlflowClient:
     instead of failing with 'database is locked'. Flows started together on a new database
     would each create its tables and collide: creation holds a lock file beside it.
     """
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
     mlflow.set_tracking_uri(uri)
     if not uri.startswith("sqlite:///"):
         return MlflowClient(uri)
@@ -106,9 +111,11 @@ def ensure_experiment(client: MlflowClient, name: str) -> str:
     location = None
     if uri.startswith("sqlite:///"):
         location = str(Path(uri.removeprefix("sqlite:///")).resolve().parent / "mlartifacts" / name)
+    from mlflow.exceptions import MlflowException
+
     try:
         return client.create_experiment(name, artifact_location=location)
-    except mlflow.exceptions.MlflowException:  # created concurrently by another run: use theirs
+    except MlflowException:  # created concurrently by another run: use theirs
         return client.get_experiment_by_name(name).experiment_id
 
 
@@ -135,6 +142,8 @@ def end_run(client: MlflowClient, run_id: str, status: str, error: str | None = 
     """End `run_id` with `status`; `error` goes to the run's `error` tag."""
     if error:
         client.set_tag(run_id, "error", error[:4000])
+    import mlflow
+
     active = mlflow.active_run()
     if active and active.info.run_id == run_id:
         mlflow.end_run(status)  # also stops this thread's system metrics monitor
