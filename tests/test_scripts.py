@@ -92,6 +92,10 @@ SNAPSHOT = """
     if dist.get_rank() == 0:
         torch.save({"MODEL_STATE": model.state_dict(), "EPOCHS_RUN": 1},
                    os.path.join(os.environ["GPUFLOW_OUTPUT_DIR"], "snapshot.pt"))
+    # leave together, the reducer freed first: a rank tearing gloo down while rank 0 still saves
+    # aborted now and then (SIGABRT, 'terminate called without an active exception'), plain torchrun too
+    dist.barrier()
+    del model, loss
     dist.destroy_process_group()
 """
 
