@@ -189,10 +189,12 @@ def tracked_run(uri: str, experiment: str, run_name: str, tags: dict, dataset: d
         status, error = status_for(e), describe_stop(e)
         raise
     finally:
-        if status != "FINISHED":
-            withdraw_versions(client, run.info.run_id)
-        end_run(client, run.info.run_id, status, error)
-        checkpoint_wal(uri)  # the store's file alone now shows this run
+        try:
+            if status != "FINISHED":
+                withdraw_versions(client, run.info.run_id)
+        finally:  # a store that refuses the withdrawal must not leave the run RUNNING
+            end_run(client, run.info.run_id, status, error)
+            checkpoint_wal(uri)  # the store's file alone now shows this run
 
 
 def log_dataset(ds: dict, attempts: int = 5) -> None:
