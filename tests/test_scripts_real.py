@@ -59,6 +59,8 @@ DDP = """
         opt.step()
     if dist.get_rank() == 0:
         torch.save(model.module.state_dict(), "model.pt")
+    dist.barrier()  # leave together, the reducer freed first: gloo's teardown can abort a rank otherwise
+    del model, opt
     dist.destroy_process_group()
 """
 
