@@ -34,7 +34,7 @@ from gpuflow.training.refs import check_references
 from .api import STARTUP_TIMEOUT_DEFAULT_S, STARTUP_TIMEOUT_ENV, prefect_api
 from .calls import one_line, quiet_libraries
 
-from .params import EvaluateParams, InferParams, PipelineParams, ScriptParams, origin_is, user_fields
+from .params import EvaluateParams, InferParams, PipelineParams, ScriptParams, origin_is
 from .settings import Settings, server_command, ui_command
 
 quiet_libraries()  # before MLflow is imported, which reads its logging level once
@@ -81,7 +81,7 @@ def add_field(p: argparse.ArgumentParser, name: str, field) -> None:
 
 
 def add_model(p: argparse.ArgumentParser, model: type[BaseModel]) -> None:
-    for name, field in user_fields(model).items():
+    for name, field in model.model_fields.items():
         add_field(p, name, field)
     p.set_defaults(_model=model)
 

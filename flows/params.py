@@ -1,9 +1,11 @@
 """Every parameter of gpuflow's flows, declared once: type, default, bounds and help.
 
-The flows' signatures (so the Prefect UI form and the deployments), the `gpuflow` CLI
-options and the validation all derive from the models here; the worker's own fields come
-from `TrainConfig` (gpuflow/training/config.py), which `PipelineParams` extends. Parameters
-are flat on purpose: `-p epochs=3` and `--epochs 3` name fields directly.
+A flow's parameters are composed of parts, each declared beside the code that reads it:
+training (training/config.py Training), devices (tasks/assign.py Devices), launch and nodes
+(tasks/launch.py Launch, Nodes) and tracking (here); a flow adds only its own fields. The
+flows' signatures (so the Prefect UI form and the deployments), the `gpuflow` CLI options and
+the validation all derive from these models; `worker_config` builds the worker's config from
+them. Parameters are flat on purpose: `-p epochs=3` and `--epochs 3` name fields directly.
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ from pathlib import Path
 from typing import Annotated, Any, Callable, Literal
 
 import annotated_types
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from gpuflow.tasks.assign import GPUS_HELP, DevicePlan, one_device, parse_gpus
-from gpuflow.training import TrainConfig
+from gpuflow.tasks.assign import DevicePlan, Devices, check_cores, one_device
+from gpuflow.tasks.data import DatasetInfo
+from gpuflow.tasks.launch import Launch, Nodes
+from gpuflow.training.config import TrainConfig, Training
 from gpuflow.training.contract import RunFolder
 from gpuflow.training.errors import UserError
 
@@ -52,21 +56,7 @@ def check_tracking_uri(v: str | None) -> str:
     return v
 
 
-def check_endpoint(v: str | None) -> str | None:
-    host, _, port = (v or "").rpartition(":")
-    if v is not None and not (host and port.isdigit() and 0 < int(port) < 65536):
-        raise ValueError("not host:port; use node 0's address and a free port, e.g. 10.0.0.5:29500")
-    return v
-
-
-def check_cores(name: str, value: int) -> None:
-    cores = os.cpu_count() or 1
-    if value > cores:
-        raise ValueError(f"{name}={value} is more than the {cores} CPUs of this host; use at most {cores} (0 = auto)")
-
-
 # Parameters several flows share, declared here once.
-Gpus = Annotated[str, AfterValidator(parse_gpus), Field(description=GPUS_HELP)]
 TrackingUri = Annotated[str | None, AfterValidator(check_tracking_uri),
                         Field(description="MLflow URI (default: MLFLOW_TRACKING_URI, else "
                               "sqlite:///<working directory>/mlflow.db)", validate_default=True)]
@@ -103,31 +93,10 @@ OneDevice = Annotated[str, AfterValidator(check_one_device),
                       Field(description="the one device: auto, cpu, 1 (the freest GPU), or a physical id like 3,")]
 InputFile = Annotated[str | None, AfterValidator(check_file)]
 
-# Worker fields the flow sets from the device plan and the run's folder, never the user.
-PLAN_OWNED = ("device", "device_ids", "checkpoint_dir", "data_cache", "code_root", "num_classes")
-# Where a run is recorded, not how it trains: left out of the run's params.
-RECORD_KEEPING = ("experiment", "run_name", "registered_model", "tracking_uri", "runs_dir", "node_rank",
-                  "rdzv_endpoint")
+class Tracking(BaseModel):
+    """The tracking part of a flow's parameters: where and under which names a run is recorded, not
+    how it trains (so none of it is among the run's params)."""
 
-
-class PipelineParams(TrainConfig):
-    """The train pipeline's parameters: the worker's config plus devices, launch and tracking."""
-
-    strategy: Literal["auto", "single", "dp", "ddp"] = Field(  # type: ignore[assignment]
-        "auto", description="auto: ddp for several devices (gloo on CPU), single for one")
-    gpus: Gpus = "auto"
-    backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="DDP backend; auto: nccl on GPUs, gloo on CPU")
-    min_free_mb: int = Field(0, ge=0, le=10_000_000, description="refuse/skip GPUs with less free memory")
-    skip_busy: bool = Field(True, description="skip GPUs already running other processes")
-    cpu_processes: int = Field(0, ge=0, description="DDP processes on a CPU-only host (0 = auto; "
-                               "at most the host's CPU count)")
-    max_restarts: int = Field(1, ge=0, le=100, description="torchrun elastic restarts after a worker dies")
-    launch_retries: int = Field(0, ge=0, le=10, description="Prefect retries of the launch (resume from checkpoint)")
-    nnodes: int = Field(1, ge=1, le=4096, description="machines in a multi-node DDP job")
-    node_rank: int = Field(0, ge=0, description="this machine's rank; only node 0 owns the MLflow run")
-    rdzv_endpoint: Annotated[str | None, AfterValidator(check_endpoint)] = Field(
-        None, description="host:port of node 0's rendezvous (multi-node)")
-    rdzv_timeout_s: int = Field(300, ge=10, le=86_400, description="fail when not every node arrives in time")
     experiment: Name = Field("gpuflow", description="MLflow experiment name")
     run_name: Name | None = Field(None, description="the MLflow and Prefect run name; unset, it is "
                                   "<model>-<dataset>-<strategy>-x<world size>-<unique suffix>")
@@ -135,23 +104,21 @@ class PipelineParams(TrainConfig):
     tracking_uri: TrackingUri = None
     runs_dir: str = Field("runs", description="folder for per-run configs, checkpoints and logs")
 
-    @model_validator(mode="after")
-    def _multinode(self) -> "PipelineParams":
-        if self.nnodes > 1 and self.strategy in ("single", "dp"):
-            raise ValueError(f"nnodes={self.nnodes} needs strategy 'ddp' (or 'auto'), not {self.strategy!r}")
-        if self.nnodes > 1 and not self.rdzv_endpoint:
-            raise ValueError(f"nnodes={self.nnodes} needs rdzv_endpoint=<node 0 host>:<port>, "
-                             "the same on every node")
-        if self.node_rank >= self.nnodes:
-            raise ValueError(f"node_rank {self.node_rank} must be below nnodes {self.nnodes}")
-        if self.nnodes > 1:
-            self.strategy = "ddp"  # one process per node is still DDP
-        return self
+
+class PipelineParams(Tracking, Nodes, Launch, Devices, Training):
+    """The train pipeline's parameters: the training, device, launch, node and tracking parts."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=(), allow_inf_nan=False)
+
+    launch_retries: int = Field(0, ge=0, le=10, description="Prefect retries of the launch (resume from checkpoint)")
 
     @model_validator(mode="after")
-    def _fits_this_host(self) -> "PipelineParams":
-        for name in ("cpu_processes", "num_workers"):
-            check_cores(name, getattr(self, name))
+    def _fits(self) -> "PipelineParams":
+        if self.nnodes > 1 and self.strategy in ("single", "dp"):
+            raise ValueError(f"nnodes={self.nnodes} needs strategy 'ddp' (or 'auto'), not {self.strategy!r}")
+        if self.nnodes > 1:
+            self.strategy = "ddp"  # one process per node is still DDP
+        check_cores("num_workers", self.num_workers)
         if self.dataset == "synthetic":
             need = self.synthetic_size * self.synthetic_side ** 2 * 4  # float32, one channel, per process
             ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -161,32 +128,32 @@ class PipelineParams(TrainConfig):
                                  f"{ram / 2**30:.0f} GiB; lower synthetic_size or synthetic_side")
         return self
 
-    def train_config(self, plan: DevicePlan | None = None, workdir: Path | None = None,
-                     data_cache: str | None = None, num_classes: int | None = None) -> TrainConfig:
-        """The worker's config; with a plan, strategy and devices come from it. References to
-        the user's code import from the folder the flow runs in."""
-        fields = {k: v for k, v in self.model_dump().items() if k in TrainConfig.model_fields}
-        fields["code_root"] = str(Path.cwd())
-        fields["num_classes"] = num_classes
-        fields["strategy"] = plan.strategy if plan else "single"
-        if plan:
-            fields["device"] = plan.device
-            fields["device_ids"] = plan.logical_ids if plan.strategy == "dp" and plan.device == "cuda" else None
-        if workdir:
-            fields["checkpoint_dir"] = str(RunFolder(workdir).checkpoints)
-        fields["data_cache"] = data_cache
-        return TrainConfig(**fields)
-
     def world_size(self, plan: DevicePlan) -> int:
         """Processes in the whole job: the plan's per node, times the nodes."""
         return plan.nproc_per_node * self.nnodes
 
     def run_params(self, config: TrainConfig, plan: DevicePlan) -> dict:
         """The MLflow run's params: the worker's config as it ran, plus the launch's settings."""
-        launch = {k: v for k, v in self.model_dump(mode="json").items()
-                  if k not in TrainConfig.model_fields and k not in RECORD_KEEPING}
+        launch = self.model_dump(mode="json", exclude={*Training.model_fields, *RECORD_KEEPING})
         return {**launch, "backend": plan.backend, "nproc_per_node": plan.nproc_per_node,
                 "world_size": self.world_size(plan), **config.to_dict()}
+
+
+def worker_config(params: PipelineParams, plan: DevicePlan, data: DatasetInfo | None = None,
+                  folder: RunFolder | None = None) -> TrainConfig:
+    """The worker's config, from the request, the plan, the prepared data and the run's folder (the
+    data step and the preflight read it before the run has a folder). References to the user's code
+    import from the folder the flow runs in."""
+    return TrainConfig(
+        **params.model_dump(include=set(Training.model_fields)), dist_timeout_s=params.dist_timeout_s,
+        strategy=plan.strategy, device=plan.device,
+        device_ids=plan.logical_ids if plan.strategy == "dp" and plan.device == "cuda" else None,
+        code_root=str(Path.cwd()), data_cache=data and data.cache, num_classes=data and data.num_classes,
+        **({"checkpoint_dir": str(folder.checkpoints)} if folder else {}))
+
+
+# Where a run is recorded, not how it trains: left out of the run's params.
+RECORD_KEEPING = (*Tracking.model_fields, "node_rank", "rdzv_endpoint")
 
 
 def check_script(v: str) -> str:
@@ -214,16 +181,10 @@ def check_collect(patterns: list[str]) -> list[str]:
     return patterns
 
 
-# The train pipeline's device, launch and tracking fields, shared as they are declared there.
-SCRIPT_SHARED = ("gpus", "backend", "min_free_mb", "skip_busy", "cpu_processes", "max_restarts", "dist_timeout_s",
-                 "experiment", "run_name", "registered_model", "tracking_uri", "runs_dir")
-_ScriptBase = create_model("_ScriptBase", __config__=ConfigDict(extra="forbid"),
-                           **{k: (PipelineParams.model_fields[k].annotation, PipelineParams.model_fields[k])
-                              for k in SCRIPT_SHARED})
-
-
-class ScriptParams(_ScriptBase):
+class ScriptParams(Tracking, Launch, Devices):
     """The train-script flow: your own torchrun script on the assigned devices, in one MLflow run."""
+
+    model_config = ConfigDict(extra="forbid")
 
     script: Annotated[str, AfterValidator(check_script)] = Field(
         description="your training script (.py), run by torchrun from the folder gpuflow runs in")
@@ -233,19 +194,8 @@ class ScriptParams(_ScriptBase):
         "glob patterns, relative to the working folder and staying inside it, of files the script writes "
         "outside GPUFLOW_OUTPUT_DIR to log as artifacts (e.g. [\"snapshot.pt\"]); the newest state dict "
         "among them is the run's checkpoint"))
-    strategy: Literal["auto", "single", "ddp"] = Field(
+    strategy: Literal["auto", "single", "ddp"] = Field(  # type: ignore[assignment]
         "auto", description="auto: one process per device; the script wraps its model itself (DDP or none)")
-
-    # one node; the launch reads these (tasks/launch.py LaunchRequest)
-    nnodes: typing.ClassVar[int] = 1
-    node_rank: typing.ClassVar[int] = 0
-    rdzv_endpoint: typing.ClassVar[str | None] = None
-    rdzv_timeout_s: typing.ClassVar[int] = 300
-
-    @model_validator(mode="after")
-    def _fits_this_host(self) -> "ScriptParams":
-        check_cores("cpu_processes", self.cpu_processes)
-        return self
 
     def run_params(self, plan: DevicePlan) -> dict:
         """gpuflow's own params for the run, under `gpuflow.` so they never collide with the script's."""
@@ -264,7 +214,7 @@ class RetrainParams(PipelineParams):
                         "objective (compared by its mode)")
 
     def pipeline(self) -> dict:
-        return self.model_dump(include=set(user_fields(PipelineParams)))
+        return self.model_dump(include=set(PipelineParams.model_fields))
 
 
 class EvaluateParams(BaseModel):
@@ -294,11 +244,6 @@ class InferParams(BaseModel):
     tracking_uri: TrackingUri = None
 
 
-def user_fields(model: type[BaseModel]) -> dict:
-    """Fields a user sets (flow parameters, CLI options): all but the plan-owned ones."""
-    return {k: f for k, f in model.model_fields.items() if k not in PLAN_OWNED}
-
-
 def _schema_type(field) -> Any:
     """The field's type with its bounds, for the Prefect form (validation stays with the model)."""
     bounds = [m for m in field.metadata if isinstance(m, annotated_types.BaseMetadata)]
@@ -312,7 +257,7 @@ def flat_parameters(model: type[BaseModel]) -> Callable[[Callable[[Any], Any]], 
     function's signature and docstring; this sets both from the one declaration, and the
     call validates the values once, by building `model` (flows/calls.py: one line per bad value).
     """
-    fields = user_fields(model)
+    fields = model.model_fields
 
     def wrap(fn: Callable[[Any], Any]) -> Callable[..., Any]:
         def flat(**values):

@@ -48,7 +48,8 @@ def train_script(params: ScriptParams) -> dict:
         launched = time.time()  # collected files older than this were not written by the script
         try:
             with run.relaying_metrics():
-                launch_script(params, s.plan, run.workdir, run.metrics_file, s.cards)
+                launch_script(params.script, params.script_args, params, params.tracking_uri, s.plan, run.workdir,
+                              run.metrics_file, s.cards)
         except TrainingFailed:  # the failed script's files and logs are kept in the run too
             collect_outputs(run, params.collect, launched)
             raise

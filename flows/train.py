@@ -20,8 +20,8 @@ from gpuflow.tasks.launch import TrainingFailed, launch_training, preflight
 from gpuflow.training.contract import RunFolder
 from gpuflow.training.errors import UserError
 
-from .params import PipelineParams, flat_parameters
-from .session import Session, StepTimer, training_session, unique_name
+from .params import PipelineParams, flat_parameters, worker_config
+from .session import Session, training_session, unique_name
 from .settings import Settings
 
 
@@ -66,22 +66,22 @@ def train_pipeline(params: PipelineParams) -> dict:
 
 def pipeline(params: PipelineParams, s: Session) -> dict:
     plan, timer = s.plan, s.timer
-    config = params.train_config(plan)  # the worker's config before the run gives it a folder
     with timer("data"):  # only downloads can flake: retry those alone
         data = prepare_dataset.with_options(retries=2 if params.download else 0,
-                                            retry_condition_fn=retry_unless_it_repeats)(config)
+                                            retry_condition_fn=retry_unless_it_repeats)(worker_config(params, plan))
     with timer("preflight"):
-        data.num_classes = preflight(params.train_config(plan, data_cache=data.cache), params, data,
-                                     params.world_size(plan))
+        classes = preflight(worker_config(params, plan, data), params, data, params.world_size(plan))
+    data = data.model_copy(update={"num_classes": classes})
     if params.node_rank != 0:  # node 0 owns the MLflow run; the other nodes only train
-        return train_node(params, plan, data, timer, s.cards)
+        folder = RunFolder(Path(params.runs_dir).resolve() / f"node{params.node_rank}-{uuid.uuid4().hex[:8]}")
+        return {"node_rank": params.node_rank, "result": train(params, s, data, folder), "timings": timer.seconds}
     stem = f"{dataset_label(params.model)}-{dataset_label(params.dataset)}"
     with s.run(stem, {"dataset": params.dataset, "model": params.model}, params.world_size(plan),
                data.model_dump(mode="json")) as run:
-        result = train(params, plan, data, run, timer, s.cards)
+        result = train(params, s, data, RunFolder(run.workdir), run)
         with timer("log_results"):
-            version = results.log_results(run, result, params.registered_model, config.code_root,
-                                           describe_version(params, plan, result, s.name))
+            version = results.log_results(run, result, params.registered_model, str(Path.cwd()),
+                                          describe_version(params, plan, result, s.name))
         summarize(params, plan, result, run, version)
         # grouped apart in the MLflow UI, so loss and accuracy lead the run's charts
         run.log_metrics({f"pipeline/{k}_s": v for k, v in timer.seconds.items()})
@@ -91,30 +91,19 @@ def pipeline(params: PipelineParams, s: Session) -> dict:
             "timings": timer.seconds}
 
 
-def train(params: PipelineParams, plan: DevicePlan, data: DatasetInfo, run: tracking.TrackedRun, timer: StepTimer,
-          cards: tuple[int, ...]) -> dict:
-    """Write the worker's config, record it as the run's params, launch and relay its metrics."""
-    config = params.train_config(plan, run.workdir, data.cache, data.num_classes)
-    run.log_params(params.run_params(config, plan))
-    launch = launcher(params)
-    with timer("launch"), run.relaying_metrics():
-        return launch(config.to_json(RunFolder(run.workdir).config), plan, params, run.workdir, run.metrics_file,
-                      hold_fds=cards)
-
-
-def launcher(params: PipelineParams):
-    """The launch task with the run's Prefect retries (--launch-retries), spent only where they can help."""
-    return launch_training.with_options(retries=params.launch_retries, retry_condition_fn=retry_unless_it_repeats)
-
-
-def train_node(params: PipelineParams, plan: DevicePlan, data: DatasetInfo, timer: StepTimer,
-               cards: tuple[int, ...]) -> dict:
-    """A node other than 0 of a multi-node job: train in its own folder, log nothing."""
-    workdir = Path(params.runs_dir).resolve() / f"node{params.node_rank}-{uuid.uuid4().hex[:8]}"
-    config = params.train_config(plan, workdir, data.cache, data.num_classes).to_json(RunFolder(workdir).config)
-    with timer("launch"):
-        result = launcher(params)(config, plan, params, workdir, hold_fds=cards)
-    return {"node_rank": params.node_rank, "result": result, "timings": timer.seconds}
+def train(params: PipelineParams, s: Session, data: DatasetInfo, folder: RunFolder,
+          run: tracking.TrackedRun | None = None) -> dict:
+    """Write the worker's config, record it as the run's params (a node other than 0 has no run and
+    logs nothing), launch, and relay rank 0's metrics."""
+    config = worker_config(params, s.plan, data, folder)
+    launch = launch_training.with_options(retries=params.launch_retries, retry_condition_fn=retry_unless_it_repeats)
+    if run is None:
+        with s.timer("launch"):
+            return launch(config.to_json(folder.config), s.plan, params, params, folder.root, hold_fds=s.cards)
+    run.log_params(params.run_params(config, s.plan))
+    with s.timer("launch"), run.relaying_metrics():
+        return launch(config.to_json(folder.config), s.plan, params, params, folder.root, run.metrics_file,
+                      hold_fds=s.cards)
 
 
 def describe_version(params: PipelineParams, plan: DevicePlan, result: dict, name: str) -> str:

@@ -8,11 +8,10 @@ the logical ids are always 0..n-1 and logical 0 is the primary card. Nothing her
 from __future__ import annotations
 
 import os
-from types import SimpleNamespace
-from typing import Literal, Protocol
+from typing import Annotated, Literal
 
 from prefect import task
-from pydantic import BaseModel
+from pydantic import AfterValidator, BaseModel, Field, field_validator
 
 from gpuflow.training.config import FP16_NEEDS_CUDA
 from gpuflow.training.errors import UserError
@@ -60,15 +59,30 @@ def explicit_ids(gpus: str) -> list[int] | None:
     return [int(p) for p in gpus.split(",") if p] if "," in gpus else None
 
 
-class DeviceRequest(Protocol):
-    """What assignment reads from the validated parameters (gpuflow.flows.params)."""
+def check_cores(name: str, value: int) -> int:
+    cores = os.cpu_count() or 1
+    if value > cores:
+        raise ValueError(f"{name}={value} is more than the {cores} CPUs of this host; use at most {cores} (0 = auto)")
+    return value
 
-    gpus: str
-    strategy: str
-    backend: str
-    min_free_mb: int
-    skip_busy: bool
-    cpu_processes: int
+
+class Devices(BaseModel):
+    """The device part of a flow's parameters: which cards, and how they are shared (flows/params.py
+    composes it with the others)."""
+
+    strategy: Literal["auto", "single", "dp", "ddp"] = Field(
+        "auto", description="auto: ddp for several devices (gloo on CPU), single for one")
+    gpus: Annotated[str, AfterValidator(parse_gpus), Field(description=GPUS_HELP)] = "auto"
+    backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="DDP backend; auto: nccl on GPUs, gloo on CPU")
+    min_free_mb: int = Field(0, ge=0, le=10_000_000, description="refuse/skip GPUs with less free memory")
+    skip_busy: bool = Field(True, description="skip GPUs already running other processes")
+    cpu_processes: int = Field(0, ge=0, description="DDP processes on a CPU-only host (0 = auto; "
+                               "at most the host's CPU count)")
+
+    @field_validator("cpu_processes")
+    @classmethod
+    def _fits_this_host(cls, v: int, info) -> int:
+        return check_cores(info.field_name, v)
 
 
 class DevicePlan(BaseModel):
@@ -96,7 +110,7 @@ class DevicePlan(BaseModel):
         return "gpu " + ",".join(map(str, self.physical_ids))
 
 
-def _cpu_plan(report: EnvironmentReport, req: DeviceRequest) -> DevicePlan:
+def _cpu_plan(report: EnvironmentReport, req: Devices) -> DevicePlan:
     if req.strategy == "dp":
         raise AssignmentError("strategy 'dp' (nn.DataParallel) needs GPUs and this host has none "
                               "usable; use strategy 'ddp' (gloo) or 'single' on CPU")
@@ -110,7 +124,7 @@ def _cpu_plan(report: EnvironmentReport, req: DeviceRequest) -> DevicePlan:
                       env={"CUDA_VISIBLE_DEVICES": ""})
 
 
-def _why_not(g: GpuInfo, req: DeviceRequest, locked: set[int]) -> str | None:
+def _why_not(g: GpuInfo, req: Devices, locked: set[int]) -> str | None:
     if g.index in locked:
         return "in use by another gpuflow run"
     if req.skip_busy and g.processes:
@@ -120,7 +134,7 @@ def _why_not(g: GpuInfo, req: DeviceRequest, locked: set[int]) -> str | None:
     return None
 
 
-def _choose(report: EnvironmentReport, req: DeviceRequest, locked: set[int]) -> list[GpuInfo]:
+def _choose(report: EnvironmentReport, req: Devices, locked: set[int]) -> list[GpuInfo]:
     by_id = {g.index: g for g in report.gpus}
     visible = report.visible_physical_ids()
     ids = explicit_ids(req.gpus)
@@ -143,7 +157,7 @@ def _choose(report: EnvironmentReport, req: DeviceRequest, locked: set[int]) -> 
 
 
 def _check_explicit(i: int, by_id: dict, visible: list[int], report: EnvironmentReport,
-                    req: DeviceRequest, locked: set[int]) -> GpuInfo:
+                    req: Devices, locked: set[int]) -> GpuInfo:
     if i not in by_id:
         present = ", ".join(map(str, sorted(by_id))) or "none"
         raise AssignmentError(f"physical GPU {i} does not exist on {report.hostname}; "
@@ -163,7 +177,7 @@ def _check_explicit(i: int, by_id: dict, visible: list[int], report: Environment
     return g
 
 
-def assign_devices_for(report: EnvironmentReport, req: DeviceRequest, batch_size: int | None,
+def assign_devices_for(report: EnvironmentReport, req: Devices, batch_size: int | None,
                        precision: str = "fp32", locked: set[int] = frozenset()) -> DevicePlan:
     """Pure assignment: validate everything that can be checked before launch."""
     no_gpu = not report.visible_physical_ids()
@@ -180,7 +194,7 @@ def assign_devices_for(report: EnvironmentReport, req: DeviceRequest, batch_size
     return plan
 
 
-def _gpu_plan(report: EnvironmentReport, req: DeviceRequest, cards: list[GpuInfo]) -> DevicePlan:
+def _gpu_plan(report: EnvironmentReport, req: Devices, cards: list[GpuInfo]) -> DevicePlan:
     n = len(cards)
     strategy = req.strategy if req.strategy != "auto" else ("single" if n == 1 else "ddp")
     if strategy == "single" and n > 1:
@@ -225,13 +239,12 @@ def one_device_plan(report: EnvironmentReport, gpus: str) -> DevicePlan:
     gpus = one_device(gpus)
     if gpus == "auto":
         gpus = "1" if report.visible_physical_ids() else "cpu"
-    request = SimpleNamespace(gpus=gpus, strategy="single", backend="auto", min_free_mb=0, skip_busy=True,
-                              cpu_processes=1)
+    request = Devices(gpus=gpus, strategy="single", cpu_processes=1)
     return assign_devices_for(report, request, batch_size=1, locked=CardLocks().held_elsewhere(report))
 
 
 @task(name="assign-devices")
-def assign_devices(report: EnvironmentReport, request: DeviceRequest, batch_size: int | None,
+def assign_devices(report: EnvironmentReport, request: Devices, batch_size: int | None,
                    precision: str = "fp32") -> DevicePlan:
     """Turn a device request into a validated DevicePlan (cards locked by others are avoided)."""
     return assign_devices_for(report, request, batch_size, precision,

@@ -20,11 +20,13 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Protocol
+from typing import Annotated
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
+from pydantic import AfterValidator, BaseModel, Field, model_validator
 
+from gpuflow.training.config import DistTimeout
 from gpuflow.training.errors import UserError
 from gpuflow.training.contract import (CARD_LOCKS_ENV, CARD_OWNER_ENV, DIST_TIMEOUT_ENV, ERROR_DIR_ENV,
                                        LAUNCH_ATTEMPT_ENV, METRICS_FILE_ENV, OUTPUT_DIR_ENV, PROCESS_GROUP_FILE_ENV,
@@ -37,14 +39,37 @@ from .cards import rank_lock_files
 TAIL_LINES = 40
 
 
-class LaunchRequest(Protocol):
-    """What the launch reads from the validated parameters (gpuflow.flows.params)."""
+class Launch(BaseModel):
+    """The launch part of a flow's parameters (flows/params.py composes it with the others)."""
 
-    max_restarts: int
-    nnodes: int
-    node_rank: int
-    rdzv_endpoint: str | None
-    rdzv_timeout_s: int
+    max_restarts: int = Field(1, ge=0, le=100, description="torchrun elastic restarts after a worker dies")
+    dist_timeout_s: DistTimeout = 300.0
+
+
+def check_endpoint(v: str | None) -> str | None:
+    host, _, port = (v or "").rpartition(":")
+    if v is not None and not (host and port.isdigit() and 0 < int(port) < 65536):
+        raise ValueError("not host:port; use node 0's address and a free port, e.g. 10.0.0.5:29500")
+    return v
+
+
+class Nodes(BaseModel):
+    """The machines of a job: one by default; several join at node 0's rendezvous."""
+
+    nnodes: int = Field(1, ge=1, le=4096, description="machines in a multi-node DDP job")
+    node_rank: int = Field(0, ge=0, description="this machine's rank; only node 0 owns the MLflow run")
+    rdzv_endpoint: Annotated[str | None, AfterValidator(check_endpoint)] = Field(
+        None, description="host:port of node 0's rendezvous (multi-node)")
+    rdzv_timeout_s: int = Field(300, ge=10, le=86_400, description="fail when not every node arrives in time")
+
+    @model_validator(mode="after")
+    def _joinable(self) -> "Nodes":
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError(f"nnodes={self.nnodes} needs rdzv_endpoint=<node 0 host>:<port>, "
+                             "the same on every node")
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank {self.node_rank} must be below nnodes {self.nnodes}")
+        return self
 
 
 class RendezvousError(UserError):
@@ -70,20 +95,20 @@ def port_in_use(host: str, port: int) -> bool:
     return False
 
 
-def build_command(plan: DevicePlan, opts: LaunchRequest, config: Path, result: Path) -> list[str]:
+def build_command(plan: DevicePlan, launch: Launch, nodes: Nodes, config: Path, result: Path) -> list[str]:
     worker = ["-m", "gpuflow.training", "--config", str(config), "--result", str(result)]
     if plan.strategy != "ddp":
         return [sys.executable, *worker]
-    return [*torchrun(plan, opts), *worker]
+    return [*torchrun(plan, launch, nodes), *worker]
 
 
-def torchrun(plan: DevicePlan, opts: LaunchRequest) -> list[str]:
+def torchrun(plan: DevicePlan, launch: Launch, opts: Nodes) -> list[str]:
     """torchrun with the plan's processes per node, restarts and rendezvous."""
     # The worker's ranks print through torchrun's own stdout and stderr: no --tee/--log-dir, whose
     # log-tailing threads once kept a signalled torchrun from exiting. (Scripts use them for
     # per-rank logs; tests/test_scripts.py stops such a run with SIGTERM.)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={plan.nproc_per_node}",
-           f"--max-restarts={opts.max_restarts}", "--role=rank"]
+           f"--max-restarts={launch.max_restarts}", "--role=rank"]
     if opts.nnodes == 1 and not opts.rdzv_endpoint:
         cmd += ["--standalone",  # c10d on a free localhost port: parallel runs never collide
                 f"--rdzv-conf=join_timeout={opts.rdzv_timeout_s}"]
@@ -98,7 +123,7 @@ def torchrun(plan: DevicePlan, opts: LaunchRequest) -> list[str]:
     return cmd
 
 
-def check_rendezvous(opts: LaunchRequest) -> None:
+def check_rendezvous(opts: Nodes) -> None:
     """A rendezvous port already taken on this host fails now, with the port named."""
     if not opts.rdzv_endpoint or opts.node_rank != 0:
         return
@@ -228,43 +253,34 @@ def child_environment(plan: DevicePlan, metrics_file: Path | None = None) -> dic
     return env
 
 
-def launch(config: Path, plan: DevicePlan, opts: LaunchRequest, workdir: Path, log,
+def launch(config: Path, plan: DevicePlan, opts: Launch, nodes: Nodes, workdir: Path, log,
            metrics_file: Path | None = None, hold_fds: tuple[int, ...] = (), attempt: int = 1) -> dict:
     """Run the worker for `config` with the plan's devices; its results JSON."""
-    check_rendezvous(opts)
+    check_rendezvous(nodes)
     folder = RunFolder(workdir)
     result = folder.result
     result.unlink(missing_ok=True)
-    cmd = build_command(plan, opts, config, result)
+    cmd = build_command(plan, opts, nodes, config, result)
     log.info("launching: %s", " ".join(cmd))
     env = child_environment(plan, metrics_file) | {LAUNCH_ATTEMPT_ENV: str(attempt), **error_folder(workdir)}
     code, tail = run_child(cmd, env, workdir, log, hold_fds, log_file=folder.log("worker.log"))
     if code != 0:
         raise failure("training", code, workdir, tail, "worker.log")
     if not result.is_file():
-        if opts.node_rank != 0:
-            return {"node_rank": opts.node_rank, "final_metrics": {}}
+        if nodes.node_rank != 0:
+            return {"node_rank": nodes.node_rank, "final_metrics": {}}
         raise TrainingFailed(f"training exited 0 but wrote no {result}")
     return json.loads(result.read_text())
 
 
 @task(name="launch-training", retries=0, cache_policy=NO_CACHE)
-def launch_training(config: Path, plan: DevicePlan, opts: LaunchRequest, workdir: Path,
+def launch_training(config: Path, plan: DevicePlan, opts: Launch, nodes: Nodes, workdir: Path,
                     metrics_file: Path | None = None, hold_fds: tuple[int, ...] = ()) -> dict:
     """Run the worker with the plan's devices; stream its output; return its results JSON."""
     from prefect import get_run_logger
     from prefect.runtime import task_run
 
-    return launch(config, plan, opts, workdir, get_run_logger(), metrics_file, hold_fds, task_run.run_count)
-
-
-class ScriptRequest(LaunchRequest, Protocol):
-    """What the script launch reads from ScriptParams (gpuflow.flows.params)."""
-
-    script: str
-    script_args: list[str]
-    tracking_uri: str
-    dist_timeout_s: float
+    return launch(config, plan, opts, nodes, workdir, get_run_logger(), metrics_file, hold_fds, task_run.run_count)
 
 
 def script_environment(plan: DevicePlan, workdir: Path, metrics_file: Path, tracking_uri: str) -> dict:
@@ -288,8 +304,8 @@ def script_environment(plan: DevicePlan, workdir: Path, metrics_file: Path, trac
 
 
 @task(name="launch-script", retries=0, cache_policy=NO_CACHE)
-def launch_script(opts: ScriptRequest, plan: DevicePlan, workdir: Path, metrics_file: Path,
-                  hold_fds: tuple[int, ...] = ()) -> None:
+def launch_script(script: str, script_args: list[str], opts: Launch, tracking_uri: str, plan: DevicePlan,
+                  workdir: Path, metrics_file: Path, hold_fds: tuple[int, ...] = ()) -> None:
     """Run the user's script under torchrun, always (one process per device), from the folder
     gpuflow runs in; stream its output to the flow's log and logs/script.log."""
     from prefect import get_run_logger
@@ -300,17 +316,17 @@ def launch_script(opts: ScriptRequest, plan: DevicePlan, workdir: Path, metrics_
     # and every console line tagged with its global rank
     # run by gpuflow's runner, as `python script.py` would: whole lines, the run's collective
     # timeout, and the script's own exception left for the flow (training/runscript.py)
-    cmd = [*torchrun(plan, opts), f"--log-dir={folder.logs / 'ranks'}", "--tee=3",
-           "--log-line-prefix-template=[rank${rank}]:", "-m", "gpuflow.training.runscript", opts.script,
-           *opts.script_args]
+    cmd = [*torchrun(plan, opts, Nodes()), f"--log-dir={folder.logs / 'ranks'}", "--tee=3",
+           "--log-line-prefix-template=[rank${rank}]:", "-m", "gpuflow.training.runscript", script,
+           *script_args]
     log.info("launching: %s", " ".join(cmd))
-    env = script_environment(plan, workdir, metrics_file, opts.tracking_uri)
+    env = script_environment(plan, workdir, metrics_file, tracking_uri)
     folder.process_group.unlink(missing_ok=True)  # rank 0 writes it afresh when the script ends well
     env |= {**error_folder(workdir), DIST_TIMEOUT_ENV: str(opts.dist_timeout_s),
             PROCESS_GROUP_FILE_ENV: str(folder.process_group)}
     code, tail = run_child(cmd, env, Path.cwd(), log, hold_fds, log_file=folder.log("script.log"))
     if code != 0:
-        raise failure(Path(opts.script).name, code, workdir, tail, "script.log")
+        raise failure(Path(script).name, code, workdir, tail, "script.log")
 
 
 def check_resume(cfg, num_classes: int | None, input_shape: list[int] | None) -> None:
@@ -329,7 +345,7 @@ def check_resume(cfg, num_classes: int | None, input_shape: list[int] | None) ->
 
 
 @task(name="preflight", cache_policy=NO_CACHE)
-def preflight(cfg, opts: LaunchRequest, data, world_size: int = 1) -> int | None:
+def preflight(cfg, opts: Nodes, data, world_size: int = 1) -> int | None:
     """Fail before any MLflow run starts: bad resume file, rendezvous port already taken, a
     training split smaller than the world size, and for the user's own model, data or
     objective, one small batch through them on the CPU (training/preflight.py).

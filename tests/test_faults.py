@@ -15,7 +15,9 @@ import torch
 from pydantic import ValidationError
 
 from gpuflow.flows.cli import one_line
-from gpuflow.flows.params import PipelineParams
+from gpuflow.flows.params import PipelineParams, worker_config
+from gpuflow.training import TrainConfig
+from gpuflow.training.contract import RunFolder
 from gpuflow.flows.train import train_pipeline
 from gpuflow.tasks.assign import assign_devices_for
 from gpuflow.tasks.launch import TrainingFailed, launch
@@ -46,7 +48,7 @@ def test_worker_killed_mid_epoch_is_restarted_by_torchrun_and_run_continues(pref
     steps = [m.step for m in client.get_metric_history(out["run_id"], "train_loss")]
     assert sorted(steps) == [1, 2, 3]  # epoch 2 logged once, after the restart
     # an uninterrupted run of the same config ends with the same parameters
-    cfg = PipelineParams(**BASE, strategy="ddp").train_config()
+    cfg = TrainConfig(**{k: v for k, v in BASE.items() if k != "gpus"})
     straight = tmp_path / "straight"
     run_worker(straight, nproc=2, **{**cfg.to_dict(), "checkpoint_dir": str(straight / "ck"),
                                      "strategy": "ddp", "device": "cpu"})
@@ -101,10 +103,10 @@ def test_a_node_that_never_arrives_fails_within_the_rendezvous_timeout(tmp_path)
     p = PipelineParams(**BASE, nnodes=2, node_rank=0, rdzv_endpoint=f"127.0.0.1:{_free_port()}",
                        rdzv_timeout_s=10, dist_timeout_s=10, cpu_processes=1)
     plan = assign_devices_for(read_environment(with_torch=False), p, p.batch_size)
-    cfg = p.train_config(plan, tmp_path).to_json(tmp_path / "config.json")
+    cfg = worker_config(p, plan, folder=RunFolder(tmp_path)).to_json(tmp_path / "config.json")
     start = time.monotonic()
     with pytest.raises(TrainingFailed, match="training failed: exited with code 1; its last line: .*Timed out"):
-        launch(cfg, plan, p, tmp_path, logging.getLogger("t"))
+        launch(cfg, plan, p, p, tmp_path, logging.getLogger("t"))
     assert time.monotonic() - start < 120
     assert not (tmp_path / "checkpoints").exists()
 

@@ -14,7 +14,7 @@ from pydantic import BaseModel, Field
 
 from gpuflow.flows import cli
 from gpuflow.flows.infer import evaluate_model
-from gpuflow.flows.params import EvaluateParams, PipelineParams, RetrainParams, user_fields
+from gpuflow.flows.params import EvaluateParams, PipelineParams, RetrainParams
 from gpuflow.flows.retrain import retrain
 from gpuflow.flows.train import train_pipeline
 from tests.helpers import ROOT
@@ -24,7 +24,7 @@ from tests.helpers import ROOT
                                         (evaluate_model, EvaluateParams)])
 def test_flow_parameters_and_prefect_form_come_from_the_declaration(flow, model):
     sig = inspect.signature(flow.fn).parameters
-    fields = user_fields(model)
+    fields = model.model_fields
     assert list(sig) == list(fields)
     form = flow.parameters.properties
     for name, f in fields.items():
@@ -44,7 +44,7 @@ def test_the_flow_validates_its_parameters_with_the_declaration(prefect_api):
 def test_every_run_option_is_a_declared_field_with_its_default_in_help():
     out = subprocess.run([sys.executable, "-m", "gpuflow.flows", "run", "--help"], cwd=ROOT,
                          capture_output=True, text=True, check=True).stdout
-    for name in user_fields(PipelineParams):
+    for name in PipelineParams.model_fields:
         assert "--" + name.replace("_", "-") in out, name
     assert "(default: 3)" in out and "--no-skip-busy" in out
 

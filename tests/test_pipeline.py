@@ -14,7 +14,9 @@ import mlflow
 import pytest
 import torch
 
-from gpuflow.flows.params import PipelineParams
+from gpuflow.flows.params import PipelineParams, worker_config
+from gpuflow.training import TrainConfig
+from gpuflow.training.contract import RunFolder
 from gpuflow.flows.train import train_pipeline
 from gpuflow.tasks.assign import assign_devices_for
 from gpuflow.tasks.launch import launch
@@ -84,8 +86,7 @@ def test_logged_checkpoint_loads_into_plain_mlp_and_reproduces_val_accuracy(ddp_
     path = client.download_artifacts(out["run_id"], "checkpoints/epoch-0002.pt", str(tmp_path))
     model = SimpleNN()  # built the seeds' way
     model.load_state_dict(load_file(path)["model"], strict=True)
-    cfg = PipelineParams(**FAST).train_config()
-    val = load_data(cfg).val
+    val = load_data(TrainConfig(**FAST)).val
     with torch.no_grad():
         acc = (model(val.x).argmax(1) == val.y).float().mean().item()
     logged = client.get_run(out["run_id"]).data.metrics["val_accuracy"]
@@ -100,7 +101,7 @@ def test_registered_model_loads_as_pyfunc_and_predicts_what_the_checkpoint_does(
     # the built-in class from the model's own code (gpuflow's models file ships with it)
     net = model.unwrap_python_model().model
     assert (type(net).__name__, type(net).__module__) == ("SimpleNN", "gpuflow_builtin_models")
-    val = load_data(PipelineParams(**FAST).train_config()).val
+    val = load_data(TrainConfig(**FAST)).val
     scores = model.predict(val.x[:32].numpy())
     path = client.download_artifacts(out["run_id"], "checkpoints/epoch-0002.pt", str(tmp_path))
     plain = SimpleNN()
@@ -162,14 +163,14 @@ def test_two_nodes_on_one_host_train_together_into_one_run(prefect_api, store, t
     plan = assign_devices_for(read_environment(with_torch=False), p1, p1.batch_size)
     work = tmp_path / "node1"
     work.mkdir()
-    cfg = p1.train_config(plan, work).to_json(work / "config.json")
+    cfg = worker_config(p1, plan, folder=RunFolder(work)).to_json(work / "config.json")
     errors: list[BaseException] = []
 
     def node1():
         import logging
 
         try:
-            launch(cfg, plan, p1, work, logging.getLogger("node1"))
+            launch(cfg, plan, p1, p1, work, logging.getLogger("node1"))
         except BaseException as e:  # surfaced by the assert below
             errors.append(e)
 

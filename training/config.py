@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -45,8 +45,9 @@ def val_count(n: int, val_fraction: float) -> int:
     return max(1, int(round(n * val_fraction)))
 
 
-class TrainConfig(BaseModel):
-    """Everything the worker needs to train, and nothing about the host it runs on."""
+class Training(BaseModel):
+    """The training part of a flow's parameters: model, data, objective, optimisation and
+    reproducibility, as the user sets them (flows/params.py composes it with the other parts)."""
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=(), allow_inf_nan=False)
 
@@ -78,32 +79,16 @@ class TrainConfig(BaseModel):
     momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum")
     grad_clip: float = Field(0.0, ge=0, description="max grad norm; 0 disables clipping")
     precision: Precision = Field("fp32", description="bf16/fp16: autocast mixed precision (fp16 needs CUDA)")
-    strategy: Strategy = Field("single", description="single device, nn.DataParallel, or DDP under torchrun")
-    device: Literal["auto", "cpu", "cuda"] = Field(
-        "auto", description="auto uses CUDA when the child sees a GPU"
-    )
-    device_ids: list[int] | None = Field(
-        None, description="logical DataParallel device ids (default: all visible)"
-    )
     seed: int = Field(42, ge=0, le=MAX_SEED, description="seed of Python, NumPy and torch (every device)")
     deterministic: bool = Field(False, description="cudnn.deterministic + deterministic algorithms")
     cudnn_benchmark: bool = Field(False, description="let cuDNN pick the fastest kernels (off with deterministic)")
     num_workers: int = Field(0, ge=0, le=256, description="DataLoader worker processes")
-    checkpoint_dir: str = Field("checkpoints", description="where checkpoints are written")
     resume: str = Field(
         "auto", validate_default=True,
         description="auto: continue from the latest checkpoint in checkpoint_dir; "
         "never: start fresh; or a checkpoint file path",
     )
-    dist_timeout_s: float = Field(300.0, ge=10, le=86_400, description="collective/rendezvous timeout")
     max_steps_per_epoch: int = Field(0, ge=0, le=100_000_000, description="cap on steps per epoch; 0 = no cap")
-    data_cache: str | None = Field(
-        None, description="prepared dataset file written by the flow's data step (training/datacache.py); "
-        "workers read it instead of the source")
-    code_root: str | None = Field(
-        None, description="folder that module references import from (set by the flow: where it runs)")
-    num_classes: int | None = Field(
-        None, ge=1, description="the model's output size, when the dataset does not say (set by the flow's preflight)")
 
     @field_validator("model", "objective")
     @classmethod
@@ -139,11 +124,7 @@ class TrainConfig(BaseModel):
         return v if v in ("auto", "never") else str(Path(v).expanduser().resolve())
 
     @model_validator(mode="after")
-    def _consistent(self) -> "TrainConfig":
-        if self.precision == "fp16" and self.device == "cpu":
-            raise ValueError(FP16_NEEDS_CUDA)
-        if self.device_ids is not None and self.strategy != "dp":
-            raise ValueError("device_ids applies to strategy 'dp' only; leave it unset")
+    def _args_for_own_model(self) -> "Training":
         if self.model_args and not refs.is_reference(self.model):
             raise ValueError(f"model_args apply to a model of your own (package.module:Class); the built-in "
                              f"{self.model!r} takes none: drop model_args")
@@ -153,6 +134,36 @@ class TrainConfig(BaseModel):
     def user_code(self) -> bool:
         """Whether the model, the data or the objective is the user's own code."""
         return any(refs.is_reference(v) for v in (self.model, self.dataset, self.objective))
+
+
+DistTimeout = Annotated[float, Field(ge=10, le=86_400, description="collective/rendezvous timeout")]
+
+
+class TrainConfig(Training):
+    """Everything the worker needs to train: the user's training fields, plus what the flow decides
+    from the device plan, the data and the run folder (flows/params.py worker_config), and nothing
+    about the host it runs on."""
+
+    strategy: Strategy = Field("single", description="single device, nn.DataParallel, or DDP under torchrun")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto uses CUDA when the child sees a GPU")
+    device_ids: list[int] | None = Field(None, description="logical DataParallel device ids (default: all visible)")
+    dist_timeout_s: DistTimeout = 300.0
+    checkpoint_dir: str = Field("checkpoints", description="where checkpoints are written")
+    data_cache: str | None = Field(
+        None, description="prepared dataset file written by the flow's data step (training/datacache.py); "
+        "workers read it instead of the source")
+    code_root: str | None = Field(
+        None, description="folder that module references import from (set by the flow: where it runs)")
+    num_classes: int | None = Field(
+        None, ge=1, description="the model's output size, when the dataset does not say (set by the flow's preflight)")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "TrainConfig":
+        if self.precision == "fp16" and self.device == "cpu":
+            raise ValueError(FP16_NEEDS_CUDA)
+        if self.device_ids is not None and self.strategy != "dp":
+            raise ValueError("device_ids applies to strategy 'dp' only; leave it unset")
+        return self
 
     # --- JSON round trip -------------------------------------------------------------
     def to_dict(self) -> dict:
