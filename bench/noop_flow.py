@@ -26,7 +26,7 @@ def nothing() -> int:
 def noop(tracking_uri: str | None = None, runs_dir: str = "runs") -> int:
     if not tracking_uri:
         return nothing()
-    from gpuflow.tasks.tracking import tracked_run
+    from gpuflow.tasks.tracking.tracked import tracked_run
 
     with tracked_run(tracking_uri, "floor", "floor", {}, None, runs_dir):
         return nothing()
@@ -38,7 +38,7 @@ if __name__ == "__main__":
     p.add_argument("--runs-dir", default="runs")
     a = p.parse_args()
     if a.mlflow:
-        import gpuflow.tasks.tracking  # noqa: F401  (MLflow: gpuflow's flow modules import it up front)
+        import gpuflow.tasks.tracking.tracked  # noqa: F401  (MLflow: gpuflow's flow modules import it up front)
     gc.freeze()
     gc.enable()
     noop(a.mlflow, a.runs_dir)

@@ -2,7 +2,7 @@
 the two runs of each group back to back in rotating order.
 
 "on" is the pipeline's way: this process holds a real MLflow run on SQLite, opened with the
-flow's own `tracked_run` (gpuflow.tasks.tracking), and its `MetricsRelay` thread logs each line
+flow's own `tracked_run` (gpuflow.tasks.tracking.tracked), and its `MetricsRelay` thread logs each line
 rank 0 appends to the metrics file (GPUFLOW_METRICS_FILE) while the worker trains. "off" is
 the same worker without a metrics file: no live metrics, result.json only.
 """
@@ -25,7 +25,7 @@ def one(tmp: Path, a, mode: str, uri: str, group: int) -> tuple[float, float]:
     if mode == "off":
         res, wall = run_worker(tmp, cfg, world=2)
         return res["train_time_s"], wall
-    from gpuflow.tasks.tracking import tracked_run
+    from gpuflow.tasks.tracking.tracked import tracked_run
     from gpuflow.training.metrics import METRICS_FILE_ENV
 
     dataset = {"name": "synthetic", "sha256": "0" * 64, "num_samples": a.size}
@@ -49,7 +49,7 @@ def main(argv=None) -> dict:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         uri = f"sqlite:///{tmp / 'mlflow.db'}"
-        from gpuflow.tasks.store import prepare_store
+        from gpuflow.tasks.tracking.store import prepare_store
 
         prepare_store(uri)  # the schema, once, as an existing mlflow.db has it
         for i in range(a.repeats):

@@ -146,7 +146,7 @@ def run_service(command: str, settings: Settings) -> int:
         return 0
     if command == "server":
         return run_supervised(server_command(settings))
-    from gpuflow.tasks.store import default_tracking_uri
+    from gpuflow.tasks.tracking.store import default_tracking_uri
 
     return run_supervised(ui_command(settings, default_tracking_uri()))
 
@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     command, model, values = parse(argv)
     try:
         if command == "probe":
-            from gpuflow.tasks.probe import read_environment
+            from gpuflow.tasks.devices.probe import read_environment
 
             report = read_environment()
             print(report.model_dump_json(indent=2)) if values["json"] else print_report(report)
@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpuflow {command}: interrupted", file=sys.stderr)
         return 130
     except Exception as e:
-        from gpuflow.tasks.tracking import api_lost, lost_api_message
+        from gpuflow.tasks.tracking.tracked import api_lost, lost_api_message
 
         if not api_lost(e):
             raise

@@ -15,11 +15,11 @@ from pathlib import Path
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
-from gpuflow.tasks import store
-from gpuflow.tasks.assign import one_device_plan
-from gpuflow.tasks.cards import card_locks
-from gpuflow.tasks.probe import probe_environment, read_environment
-from gpuflow.tasks.registry import checkpoint_of, evaluate_checkpoint, resolve_version, run_on_device
+from gpuflow.tasks.tracking import store
+from gpuflow.tasks.devices.assign import one_device_plan
+from gpuflow.tasks.devices.cards import card_locks
+from gpuflow.tasks.devices.probe import probe_environment, read_environment
+from gpuflow.tasks.tracking.registry import checkpoint_of, evaluate_checkpoint, resolve_version, run_on_device
 
 from .allow import check_allowed
 from .params import EvaluateParams, InferParams, flat_parameters

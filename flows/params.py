@@ -1,7 +1,7 @@
 """Every parameter of gpuflow's flows, declared once: type, default, bounds and help.
 
 A flow's parameters are composed of parts, each declared beside the code that reads it:
-training (training/config.py Training), devices (tasks/assign.py Devices), launch and nodes
+training (training/config.py Training), devices (tasks/devices/assign.py Devices), launch and nodes
 (tasks/launch.py Launch, Nodes) and tracking (here); a flow adds only its own fields. The
 flows' signatures (so the Prefect UI form and the deployments), the `gpuflow` CLI options and
 the validation all derive from these models; `worker_config` builds the worker's config from
@@ -20,7 +20,7 @@ from typing import Annotated, Any, Callable, Literal
 import annotated_types
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from gpuflow.tasks.assign import DevicePlan, Devices, check_cores, one_device
+from gpuflow.tasks.devices.assign import DevicePlan, Devices, check_cores, one_device
 from gpuflow.tasks.data import DatasetInfo
 from gpuflow.tasks.launch import Launch, Nodes
 from gpuflow.training.config import TrainConfig, Training
@@ -45,7 +45,7 @@ def check_tracking_uri(v: str | None) -> str:
     """The store's URI; unset, resolved here once for the whole run (MLFLOW_TRACKING_URI, else
     mlflow.db in the working folder)."""
     if v is None:
-        from gpuflow.tasks.store import default_tracking_uri
+        from gpuflow.tasks.tracking.store import default_tracking_uri
 
         return default_tracking_uri()
     scheme = v.split(":", 1)[0].split("+", 1)[0] if ":" in v else ""

@@ -10,12 +10,12 @@ from __future__ import annotations
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from gpuflow.tasks import store
-from gpuflow.tasks.assign import one_device_plan
-from gpuflow.tasks.cards import card_locks, device_slot
-from gpuflow.tasks.probe import probe_environment
-from gpuflow.tasks.registry import champion_version, evaluate_version, promote
-from gpuflow.tasks.results import OUTCOME_TAG
+from gpuflow.tasks.tracking import store
+from gpuflow.tasks.devices.assign import one_device_plan
+from gpuflow.tasks.devices.cards import card_locks, device_slot
+from gpuflow.tasks.devices.probe import probe_environment
+from gpuflow.tasks.tracking.registry import champion_version, evaluate_version, promote
+from gpuflow.tasks.tracking.results import OUTCOME_TAG
 from gpuflow.training.errors import UserError
 
 from .allow import check_allowed

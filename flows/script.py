@@ -23,7 +23,7 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
-from gpuflow.tasks import orphans, results, tracking
+from gpuflow.tasks.tracking import orphans, results, tracked
 from gpuflow.tasks.launch import TrainingFailed, launch_script
 
 from .params import ScriptParams, flat_parameters
@@ -62,7 +62,7 @@ def train_script(params: ScriptParams) -> dict:
 
 
 @task(name="collect-outputs", cache_policy=NO_CACHE)
-def collect_outputs(run: tracking.TrackedRun, patterns: list[str], launched: float) -> dict:
+def collect_outputs(run: tracked.TrackedRun, patterns: list[str], launched: float) -> dict:
     """Log the output folder, the `collect` files and the logs; de-prefix the newest state dict
     and log it as the run's checkpoint (or log it unchanged and say why). Tag and warn about
     collected files older than `launched`, and about processes that never joined a process group."""
@@ -73,7 +73,7 @@ def collect_outputs(run: tracking.TrackedRun, patterns: list[str], launched: flo
 
 
 @task(name="register-model", cache_policy=NO_CACHE)
-def register(run: tracking.TrackedRun, outputs: dict, params: ScriptParams) -> str | None:
+def register(run: tracked.TrackedRun, outputs: dict, params: ScriptParams) -> str | None:
     """Register the checkpoint as a model when the script declared its class (helper.declare_model)."""
     spec = outputs.get("model_spec")
     if not spec or not outputs.get("weights"):

@@ -20,7 +20,7 @@ from prefect import serve
 from prefect.deployments.runner import EntrypointType
 from prefect.schedules import Cron
 
-from gpuflow.tasks.cards import DEVICE_LIMIT, limit_exists
+from gpuflow.tasks.devices.cards import DEVICE_LIMIT, limit_exists
 
 from .infer import evaluate_model
 from .retrain import retrain

@@ -22,10 +22,10 @@ from typing import Any, Iterator
 
 from prefect.runtime import deployment, flow_run
 
-from gpuflow.tasks import store, tracking
-from gpuflow.tasks.assign import DevicePlan, assign_devices
-from gpuflow.tasks.cards import card_locks, device_slot
-from gpuflow.tasks.probe import EnvironmentReport, probe_environment
+from gpuflow.tasks.tracking import store, tracked
+from gpuflow.tasks.devices.assign import DevicePlan, assign_devices
+from gpuflow.tasks.devices.cards import card_locks, device_slot
+from gpuflow.tasks.devices.probe import EnvironmentReport, probe_environment
 from gpuflow.training.refs import check_references
 
 from .allow import check_allowed
@@ -59,12 +59,12 @@ class Session:
     name: str = ""  # the run's, once run() has started it
 
     @contextmanager
-    def run(self, name_stem: str, tags: dict, world_size: int, dataset: dict | None = None) -> Iterator[tracking.TrackedRun]:
+    def run(self, name_stem: str, tags: dict, world_size: int, dataset: dict | None = None) -> Iterator[tracked.TrackedRun]:
         """The session's MLflow run, named as its flow run, with the plan's tags and the environment
         and plan artifacts; ended FINISHED, FAILED or KILLED whatever happens."""
         p = self.params
         self.name = name = current_name(p.run_name, name_stem)
-        with tracking.tracked_run(p.tracking_uri, p.experiment, name,
+        with tracked.tracked_run(p.tracking_uri, p.experiment, name,
                                   {**plan_tags(self.plan, world_size), **tags}, dataset, p.runs_dir) as run:
             run.log_json(self.report.model_dump(mode="json"), "environment_report.json", "environment")
             run.log_json(self.plan.model_dump(mode="json"), "device_plan.json", "environment")

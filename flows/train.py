@@ -13,8 +13,8 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
 
-from gpuflow.tasks import orphans, results, tracking
-from gpuflow.tasks.assign import DevicePlan
+from gpuflow.tasks.tracking import orphans, results, tracked
+from gpuflow.tasks.devices.assign import DevicePlan
 from gpuflow.tasks.data import DatasetInfo, prepare_dataset
 from gpuflow.tasks.launch import TrainingFailed, launch_training, preflight
 from gpuflow.training.contract import RunFolder
@@ -92,7 +92,7 @@ def pipeline(params: PipelineParams, s: Session) -> dict:
 
 
 def train(params: PipelineParams, s: Session, data: DatasetInfo, folder: RunFolder,
-          run: tracking.TrackedRun | None = None) -> dict:
+          run: tracked.TrackedRun | None = None) -> dict:
     """Write the worker's config, record it as the run's params (a node other than 0 has no run and
     logs nothing), launch, and relay rank 0's metrics."""
     config = worker_config(params, s.plan, data, folder)
@@ -115,7 +115,7 @@ def describe_version(params: PipelineParams, plan: DevicePlan, result: dict, nam
             f"Final {scores}. Input and output: float32 arrays as in the signature ({params.objective}).")
 
 
-def summarize(params: PipelineParams, plan: DevicePlan, result: dict, run: tracking.TrackedRun,
+def summarize(params: PipelineParams, plan: DevicePlan, result: dict, run: tracked.TrackedRun,
               version: str) -> None:
     m = result["final_metrics"]
     rows = "\n".join(f"| {k} | {v:.4f} |" for k, v in m.items())

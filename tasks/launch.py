@@ -33,8 +33,8 @@ from gpuflow.training.contract import (CARD_LOCKS_ENV, CARD_OWNER_ENV, DIST_TIME
                                        RunFolder, describe, read_error)
 from gpuflow.training.reaper import grace_seconds, start_supervised
 
-from .assign import DevicePlan
-from .cards import rank_lock_files
+from .devices.assign import DevicePlan
+from .devices.cards import rank_lock_files
 
 TAIL_LINES = 40
 
@@ -288,7 +288,7 @@ def script_environment(plan: DevicePlan, workdir: Path, metrics_file: Path, trac
     absolute store URI: the script's folder is not the flow's business), and its output folder."""
     import mlflow
 
-    from .store import absolute_uri
+    from .tracking.store import absolute_uri
 
     env = child_environment(plan, metrics_file)
     env.pop("MLFLOW_EXPERIMENT_NAME", None)  # the run's own experiment, set below, is the one

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from gpuflow.training.contract import RunFolder, not_distributed, read_process_group
 
-from .tracking import TrackedRun
+from .tracking.tracked import TrackedRun
 
 log = logging.getLogger(__name__)
 

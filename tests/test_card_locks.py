@@ -24,9 +24,9 @@ import torch
 
 from gpuflow.flows import infer
 from gpuflow.flows.params import InferParams
-from gpuflow.tasks import registry
-from gpuflow.tasks.cards import CardLocks
-from gpuflow.tasks.probe import EnvironmentReport, GpuInfo
+from gpuflow.tasks.tracking import registry
+from gpuflow.tasks.devices.cards import CardLocks
+from gpuflow.tasks.devices.probe import EnvironmentReport, GpuInfo
 from gpuflow.training import TrainConfig
 from gpuflow.training.cardlock import CARD_LOCKS_ENV, OWNER_ENV, hold_card_locks
 from gpuflow.training.errors import UserError
@@ -82,7 +82,7 @@ def held(path: Path) -> bool:
 DRIVER = textwrap.dedent("""
     import sys
     from pathlib import Path
-    from gpuflow.tasks.cards import CardLocks
+    from gpuflow.tasks.devices.cards import CardLocks
     locks = CardLocks(Path(sys.argv[1]), ranks_wait_s=0)
     for line in sys.stdin:
         cmd, _, uuid = line.strip().partition(" ")
@@ -101,7 +101,7 @@ def python_as_nobody(home: Path) -> list[str] | None:
     for exe in (sys.executable, f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}"):
         cmd = ["runuser", "-u", "nobody", "--", "env", f"HOME={home}", f"PREFECT_HOME={home / 'prefect'}",
                exe, "-c", boot]
-        probe = cmd[:-1] + [boot + "import gpuflow.tasks.cards"]
+        probe = cmd[:-1] + [boot + "import gpuflow.tasks.devices.cards"]
         if shutil.which(exe) and subprocess.run(probe, capture_output=True, cwd=home).returncode == 0:
             return cmd
     return None
@@ -231,8 +231,8 @@ RANK = textwrap.dedent("""
 FLOW = textwrap.dedent(f"""
     import logging, sys
     from pathlib import Path
-    from gpuflow.tasks.assign import DevicePlan
-    from gpuflow.tasks.cards import card_locks
+    from gpuflow.tasks.devices.assign import DevicePlan
+    from gpuflow.tasks.devices.cards import card_locks
     from gpuflow.tasks.launch import child_environment, run_child
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
     plan = DevicePlan(strategy="ddp", backend="gloo", device="cuda", nproc_per_node=1, physical_ids=[0],

@@ -17,7 +17,7 @@ import pytest
 from gpuflow.flows.infer import evaluate_model
 from gpuflow.flows.retrain import retrain
 from gpuflow.flows.train import train_pipeline
-from gpuflow.tasks.results import OUTCOME_TAG
+from gpuflow.tasks.tracking.results import OUTCOME_TAG
 from tests.servers import BIN, mlflow_server
 
 QUICK = dict(epochs=2, dataset="digits", model="mlp", gpus="cpu")
@@ -94,7 +94,7 @@ def test_gpuflow_evaluate_and_infer_use_the_champion_on_the_named_device(retrain
 
 @pytest.mark.gpu
 def test_inference_on_a_physical_gpu(retrained):
-    from gpuflow.tasks.probe import read_environment
+    from gpuflow.tasks.devices.probe import read_environment
 
     gpu = read_environment().gpus[-1].index
     _, store, _, _ = retrained

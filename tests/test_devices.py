@@ -15,9 +15,9 @@ import pytest
 from pydantic import ValidationError
 
 from gpuflow.flows.params import PipelineParams
-from gpuflow.tasks.assign import AssignmentError, assign_devices_for
-from gpuflow.tasks.cards import CardLockError, CardLocks
-from gpuflow.tasks.probe import EnvironmentReport, GpuInfo, read_environment
+from gpuflow.tasks.devices.assign import AssignmentError, assign_devices_for
+from gpuflow.tasks.devices.cards import CardLockError, CardLocks
+from gpuflow.tasks.devices.probe import EnvironmentReport, GpuInfo, read_environment
 from tests.helpers import ROOT
 
 
@@ -135,7 +135,7 @@ def test_card_locks_exclude_each_other_and_die_with_their_holder(tmp_path):
     code = textwrap.dedent(f"""
         import sys, time; sys.path.insert(0, {str(ROOT)!r})
         from pathlib import Path
-        from gpuflow.tasks.cards import CardLocks
+        from gpuflow.tasks.devices.cards import CardLocks
         CardLocks(Path({str(tmp_path)!r})).try_lock("GPU-0001"); print("held", flush=True); time.sleep(60)
     """)
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
@@ -175,7 +175,7 @@ def test_child_sees_exactly_the_assigned_real_gpu():
 @pytest.mark.parametrize("gpus,expected", [
     ("auto", [0]), ("1", [0]), ("2,", [2]), ("cpu", [])])
 def test_evaluation_takes_one_device_with_runs_gpus_grammar(gpus, expected):
-    from gpuflow.tasks.assign import one_device_plan
+    from gpuflow.tasks.devices.assign import one_device_plan
 
     plan = one_device_plan(FOUR, gpus)
     assert plan.physical_ids == expected and plan.strategy == "single" and plan.nproc_per_node == 1
@@ -185,7 +185,7 @@ def test_evaluation_takes_one_device_with_runs_gpus_grammar(gpus, expected):
     ("3", "gpus=3 asks for several devices but this step uses one; name one card ('3,')"),
     ("3,2", "gpus=3,2 asks for several devices")])
 def test_evaluation_refuses_several_devices_and_says_how_to_name_one(gpus, message):
-    from gpuflow.tasks.assign import one_device_plan
+    from gpuflow.tasks.devices.assign import one_device_plan
 
     with pytest.raises(AssignmentError, match=re.escape(message)):
         one_device_plan(FOUR, gpus)
@@ -281,7 +281,7 @@ def test_gpuflow_run_refuses_bad_values_before_starting_anything():
 def test_flow_probe_without_gpus_leaves_torch_unimported():
     import torch
 
-    code = ("import sys; from gpuflow.tasks.probe import read_environment; "
+    code = ("import sys; from gpuflow.tasks.devices.probe import read_environment; "
             "r = read_environment(import_torch=False); print(r.torch_version, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=ROOT, check=True).stdout.split()

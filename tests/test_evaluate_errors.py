@@ -12,8 +12,8 @@ import mlflow
 import pytest
 import torch
 
-from gpuflow.tasks import store
-from gpuflow.tasks.registry import resolve_version
+from gpuflow.tasks.tracking import store
+from gpuflow.tasks.tracking.registry import resolve_version
 from gpuflow.training.errors import UserError
 from tests.helpers import ROOT, run_worker
 

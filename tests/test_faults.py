@@ -19,9 +19,9 @@ from gpuflow.flows.params import PipelineParams, worker_config
 from gpuflow.training import TrainConfig
 from gpuflow.training.contract import RunFolder
 from gpuflow.flows.train import train_pipeline
-from gpuflow.tasks.assign import assign_devices_for
+from gpuflow.tasks.devices.assign import assign_devices_for
 from gpuflow.tasks.launch import TrainingFailed, launch
-from gpuflow.tasks.probe import EnvironmentReport, GpuInfo, read_environment
+from gpuflow.tasks.devices.probe import EnvironmentReport, GpuInfo, read_environment
 from tests.helpers import ROOT, result, run_worker
 from gpuflow.training.checkpoint import load_file
 from gpuflow.training.models import SimpleNN, SmallCNN
@@ -169,7 +169,7 @@ def test_bad_input_fails_fast_with_a_clear_message(case, params, fake_host, mess
     if str(params.get("resume", "")).startswith("ckpt:"):
         params["resume"] = _ckpt(tmp_path, params["resume"][5:])
     if fake_host is not None:
-        monkeypatch.setattr("gpuflow.tasks.probe.read_environment", lambda **_: fake_host)
+        monkeypatch.setattr("gpuflow.tasks.devices.probe.read_environment", lambda **_: fake_host)
     args = {**dict(BASE, gpus="cpu", epochs=1), **params, **store}
     try:
         with pytest.raises(Exception) as err:

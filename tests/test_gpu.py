@@ -14,8 +14,8 @@ import torch
 
 from gpuflow.flows.train import train_pipeline
 from gpuflow.flows.params import PipelineParams
-from gpuflow.tasks.assign import AssignmentError, assign_devices_for
-from gpuflow.tasks.probe import read_environment
+from gpuflow.tasks.devices.assign import AssignmentError, assign_devices_for
+from gpuflow.tasks.devices.probe import read_environment
 from tests.helpers import child_env, result, run_worker, user_project
 from gpuflow.training.checkpoint import load_file
 from gpuflow.training.models import SmallCNN

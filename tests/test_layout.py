@@ -120,3 +120,17 @@ def test_a_built_in_run_keeps_torch_out_of_the_flow_process(tmp_path, prefect_ap
                          capture_output=True, text=True, timeout=600)
     last = json.loads(out.stdout.strip().splitlines()[-1])
     assert last == {"code": 0, "torch": False}, out.stderr[-3000:]
+
+
+def test_each_package_map_names_every_module_it_holds():
+    """training/__init__.py says which process runs each module, tasks/__init__.py what each step
+    is: a module added without a place in the map fails here."""
+    import re
+
+    for package in ("training", "tasks"):
+        doc = ast.get_docstring(ast.parse((ROOT / package / "__init__.py").read_text()))
+        named = set(re.findall(r"[A-Za-z_]\w*", doc))
+        for f in sorted((ROOT / package).glob("*")):
+            stem = f.stem if f.suffix == ".py" else f.name
+            if stem != "__init__" and (f.suffix == ".py" or (f / "__init__.py").is_file()):
+                assert stem in named, f"{package}/__init__.py does not place {f.name}"

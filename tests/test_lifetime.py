@@ -18,7 +18,7 @@ import mlflow
 import psutil
 import pytest
 
-from gpuflow.tasks import orphans
+from gpuflow.tasks.tracking import orphans
 from tests.servers import free_port
 from tests.test_user_code import api_url  # noqa: F401  (the session's Prefect server)
 

@@ -18,9 +18,9 @@ from gpuflow.flows.params import PipelineParams, worker_config
 from gpuflow.training import TrainConfig
 from gpuflow.training.contract import RunFolder
 from gpuflow.flows.train import train_pipeline
-from gpuflow.tasks.assign import assign_devices_for
+from gpuflow.tasks.devices.assign import assign_devices_for
 from gpuflow.tasks.launch import launch
-from gpuflow.tasks.probe import read_environment
+from gpuflow.tasks.devices.probe import read_environment
 from tests.helpers import ROOT, child_env
 from gpuflow.training.checkpoint import load_file
 from gpuflow.training.data import load_data

@@ -153,11 +153,11 @@ def test_a_lost_prefect_api_ends_the_command_and_leaves_no_version_of_an_unfinis
 
 
 def test_a_run_that_fails_after_registering_withdraws_its_version(tmp_path):
-    from gpuflow.tasks import tracking
+    from gpuflow.tasks.tracking import tracked
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     with pytest.raises(RuntimeError, match="after the registration"):
-        with tracking.tracked_run(uri, "exp", "r", {}, None, tmp_path / "runs") as run:
+        with tracked.tracked_run(uri, "exp", "r", {}, None, tmp_path / "runs") as run:
             run.client.create_registered_model("m")
             run.client.create_model_version("m", f"runs:/{run.run_id}/model", run.run_id)
             raise RuntimeError("a step after the registration failed")

@@ -161,7 +161,7 @@ def torchvision_mlp(tmp_path_factory):
     """torchvision.ops:MLP registered as `mlp` v1 the way the flow registers (results.register_model)."""
     import torchvision
 
-    from gpuflow.tasks import results, tracking
+    from gpuflow.tasks.tracking import results, tracked
 
     base = tmp_path_factory.mktemp("installed")
     uri = f"sqlite:///{base / 'mlflow.db'}"
@@ -170,7 +170,7 @@ def torchvision_mlp(tmp_path_factory):
     result = {"model_spec": {"reference": "torchvision.ops:MLP", "kwargs": MLP_KWARGS},
               "weights": str(base / "weights.pt"), "input_example": str(base / "example.npy"),
               "output_spec": [{"name": None, "dtype": "float32", "shape": [3]}]}
-    with tracking.tracked_run(uri, "installed", "mlp", {}, None, base / "runs", 60) as run:
+    with tracked.tracked_run(uri, "installed", "mlp", {}, None, base / "runs", 60) as run:
         assert results.register_model(run, result, "mlp", str(base), "torchvision's MLP") == "1"
     return base, uri
 
@@ -200,7 +200,7 @@ def test_only_code_the_model_ships_is_checked_against_what_the_process_imported(
 
     assert "tests" in sys.modules  # this process imported the repository's `tests` package
 
-    from gpuflow.tasks.registered_model import _import
+    from gpuflow.tasks.tracking.registered_model import _import
 
     code = tmp_path / "code"
     code.mkdir()
@@ -235,7 +235,7 @@ def test_requirements_are_the_codes_imports_and_the_projects_declared_dependenci
     builtin.write_text("import torch\n")
     code = f"""
         import json, sys
-        from gpuflow.tasks.requirements import model_requirements
+        from gpuflow.tasks.tracking.requirements import model_requirements
         reqs = model_requirements("pkg.nets:Net", [{str(tmp_path / "pkg")!r}], {str(tmp_path)!r})
         print(json.dumps([reqs, "torch" in sys.modules,
                           model_requirements("gpuflow_builtin_models:MLP", [{str(builtin)!r}], {str(tmp_path)!r})]))

@@ -18,7 +18,7 @@ import mlflow
 import psutil
 import pytest
 
-from gpuflow.tasks import orphans
+from gpuflow.tasks.tracking import orphans
 from gpuflow.training.checkpoint import load_file
 from tests.helpers import ROOT, child_env
 
@@ -109,8 +109,8 @@ def test_kill_9_of_the_flow_takes_its_api_torchrun_and_ranks_and_the_next_run_ma
 HOLDER = textwrap.dedent("""
     import json, sys, logging, time
     from pathlib import Path
-    from gpuflow.tasks.assign import DevicePlan
-    from gpuflow.tasks.cards import CardLocks
+    from gpuflow.tasks.devices.assign import DevicePlan
+    from gpuflow.tasks.devices.cards import CardLocks
     from gpuflow.tasks.launch import run_child
     plan = DevicePlan(strategy="single", backend="nccl", device="cuda", nproc_per_node=1, physical_ids=[0],
                       uuids=["GPU-fake-0"])
@@ -124,7 +124,7 @@ HOLDER = textwrap.dedent("""
 
 
 def test_card_lock_is_not_released_while_a_child_of_a_killed_flow_still_runs(tmp_path):
-    from gpuflow.tasks.cards import CardLocks
+    from gpuflow.tasks.devices.cards import CardLocks
 
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path)], cwd=ROOT, env=child_env())
     deadline = time.monotonic() + 60

@@ -13,7 +13,7 @@ import types
 import mlflow
 import pytest
 
-from gpuflow.tasks import orphans, store, tracking
+from gpuflow.tasks.tracking import orphans, store, tracked
 from gpuflow.training.metrics import MetricsFile
 
 DATASET = {"name": "synthetic", "root": None, "sha256": "ab" * 32, "num_samples": 10}
@@ -30,13 +30,13 @@ def _runs(uri: str, experiment: str) -> list:
 
 def test_tracked_run_ends_finished_failed_or_killed_with_the_reason(tmp_path):
     uri = _uri(tmp_path)
-    with tracking.tracked_run(uri, "ends", "ok", {}, DATASET, tmp_path / "runs", 60) as ok:
+    with tracked.tracked_run(uri, "ends", "ok", {}, DATASET, tmp_path / "runs", 60) as ok:
         assert ok.workdir == (tmp_path / "runs" / ok.run_id).resolve() and ok.workdir.is_dir()
     with pytest.raises(ValueError):
-        with tracking.tracked_run(uri, "ends", "bad", {}, DATASET, tmp_path / "runs", 60):
+        with tracked.tracked_run(uri, "ends", "bad", {}, DATASET, tmp_path / "runs", 60):
             raise ValueError("boom in training")
     with pytest.raises(KeyboardInterrupt):
-        with tracking.tracked_run(uri, "ends", "stopped", {}, DATASET, tmp_path / "runs", 60):
+        with tracked.tracked_run(uri, "ends", "stopped", {}, DATASET, tmp_path / "runs", 60):
             raise KeyboardInterrupt
     by_name = {r.info.run_name: r for r in _runs(uri, "ends")}
     assert {n: r.info.status for n, r in by_name.items()} == {"ok": "FINISHED", "bad": "FAILED", "stopped": "KILLED"}
@@ -48,7 +48,7 @@ def test_tracked_run_ends_finished_failed_or_killed_with_the_reason(tmp_path):
 def test_a_run_whose_start_fails_is_marked_failed_not_left_running(tmp_path):
     uri = _uri(tmp_path)
     with pytest.raises(KeyError):
-        with tracking.tracked_run(uri, "half", "bad", {}, {"name": "no digest"}, tmp_path / "runs", 60):
+        with tracked.tracked_run(uri, "half", "bad", {}, {"name": "no digest"}, tmp_path / "runs", 60):
             pass
     assert mlflow.active_run() is None
     assert [r.info.status for r in _runs(uri, "half")] == ["FAILED"]
@@ -56,7 +56,7 @@ def test_a_run_whose_start_fails_is_marked_failed_not_left_running(tmp_path):
 
 def test_relay_logs_complete_lines_live_and_the_rest_when_it_stops(tmp_path):
     uri = _uri(tmp_path)
-    with tracking.tracked_run(uri, "relay", "r", {}, DATASET, tmp_path / "runs", 60) as run:
+    with tracked.tracked_run(uri, "relay", "r", {}, DATASET, tmp_path / "runs", 60) as run:
         client = run.client
         sink = MetricsFile(is_main=True, path=str(run.metrics_file))
         assert MetricsFile(is_main=False, path=str(run.metrics_file))._file is None  # rank 0 only
@@ -78,8 +78,8 @@ def test_relay_logs_complete_lines_live_and_the_rest_when_it_stops(tmp_path):
 
 OWNER = """
 import sys, time
-from gpuflow.tasks import orphans, store, tracking
-with tracking.tracked_run(sys.argv[1], "orphans", "victim", {}, {"name": "d", "sha256": "ab" * 32,
+from gpuflow.tasks.tracking import orphans, store, tracked
+with tracked.tracked_run(sys.argv[1], "orphans", "victim", {}, {"name": "d", "sha256": "ab" * 32,
                           "num_samples": 1}, sys.argv[2], 60) as run:
     print(run.run_id, flush=True)
     time.sleep(600)
@@ -97,7 +97,7 @@ def test_a_run_whose_owner_was_killed_outright_is_marked_killed_by_the_next_star
     owner.send_signal(signal.SIGKILL)  # no finally, no exit handler runs
     owner.wait()
     assert client.get_run(victim).info.status == "RUNNING"
-    with tracking.tracked_run(uri, "orphans", "next", {}, DATASET, tmp_path / "runs", 60):
+    with tracked.tracked_run(uri, "orphans", "next", {}, DATASET, tmp_path / "runs", 60):
         pass
     run = client.get_run(victim)
     assert run.info.status == "KILLED"
@@ -136,7 +136,7 @@ def test_prefect_crash_hook_ends_the_flow_runs_mlflow_run_killed(tmp_path):
 @pytest.mark.parametrize("trial", range(2))
 def test_runs_started_together_all_link_the_same_dataset(tmp_path, trial):
     # MLflow's SQL store checks for the dataset row, then inserts it: without the retry in
-    # tracking.log_dataset one of these starts fails the UNIQUE constraint (seen in CI).
+    # tracked.log_dataset one of these starts fails the UNIQUE constraint (seen in CI).
     uri = _uri(tmp_path)
     store.prepare_store(uri)
     n, errors = 6, []
@@ -145,7 +145,7 @@ def test_runs_started_together_all_link_the_same_dataset(tmp_path, trial):
     def one(i):
         barrier.wait()
         try:
-            with tracking.tracked_run(uri, "race", f"r{i}", {"i": i}, DATASET, tmp_path / "runs", 60):
+            with tracked.tracked_run(uri, "race", f"r{i}", {"i": i}, DATASET, tmp_path / "runs", 60):
                 pass
         except Exception as e:  # noqa: BLE001 - collected and asserted below
             errors.append(e)
@@ -166,7 +166,7 @@ def test_runs_started_together_all_link_the_same_dataset(tmp_path, trial):
 PREPARE_AT = """
 import sys, time
 import mlflow  # imported before the start time: the creations overlap as closely as possible
-from gpuflow.tasks.store import prepare_store
+from gpuflow.tasks.tracking.store import prepare_store
 time.sleep(max(0.0, float(sys.argv[2]) - time.time()))
 prepare_store(sys.argv[1])
 """
@@ -190,7 +190,7 @@ REGISTERING = """
 import sys, time
 from pathlib import Path
 import mlflow
-from gpuflow.tasks import results, tracking
+from gpuflow.tasks.tracking import results, tracked
 from gpuflow.training.lifetime import exit_on_sigterm
 
 def saving(path, **kw):  # the slow step of registration, where the signal lands
@@ -202,7 +202,7 @@ mlflow.pyfunc.save_model = saving
 weights = Path(sys.argv[2]) / "weights.pt"
 weights.parent.mkdir(parents=True, exist_ok=True)
 weights.write_bytes(b"")
-with tracking.tracked_run(sys.argv[1], "register", "r", {}, None, sys.argv[2], 60) as run:
+with tracked.tracked_run(sys.argv[1], "register", "r", {}, None, sys.argv[2], 60) as run:
     results.register_model(run, {"model_spec": {"reference": "gpuflow.training.models:MLP", "kwargs": {}},
                                  "weights": str(weights)}, "m", None, "a test")
 """
@@ -238,7 +238,7 @@ def _copy_alone(db, dest):
 
 def test_the_store_file_alone_shows_a_run_once_it_ends(tmp_path):
     uri = _uri(tmp_path)
-    with tracking.tracked_run(uri, "wal", "ended", {}, DATASET, tmp_path / "runs", 60) as run:
+    with tracked.tracked_run(uri, "wal", "ended", {}, DATASET, tmp_path / "runs", 60) as run:
         run.log_metrics({"accuracy": 0.5})
     copy = _copy_alone(tmp_path / "mlflow.db", tmp_path / "copy")
     [found] = _runs(copy, "wal")

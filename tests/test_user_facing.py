@@ -18,8 +18,8 @@ from pydantic import ValidationError
 from gpuflow.flows import cli
 from gpuflow.flows.params import EvaluateParams, InferParams, PipelineParams
 from gpuflow.flows.settings import Settings, server_command, ui_command
-from gpuflow.tasks.probe import read_environment
-from gpuflow.tasks.results import NOT_COMPARED, OUTCOME_TAG
+from gpuflow.tasks.devices.probe import read_environment
+from gpuflow.tasks.tracking.results import NOT_COMPARED, OUTCOME_TAG
 from tests.helpers import ROOT
 
 GPUFLOW = ROOT / ".venv" / "bin" / "gpuflow"

@@ -1,4 +1,21 @@
-"""gpuflow's worker side: pure torch + stdlib + mlflow client. Never imports prefect."""
+"""gpuflow's training side: torch, the standard library and the contract with the flow; it never
+imports Prefect or MLflow (tests/test_layout.py checks it).
+
+Which process runs each module:
+
+  in the ranks (the worker, under torchrun or plain python, started by tasks/launch.py):
+      __main__, trainer, distributed, checkpoint, metrics, cardlock, reproducible, faults,
+      models, builder, objective, data (loading), evaluate (gpuflow evaluate / infer's child)
+  in a user's own script's ranks (gpuflow run --script):
+      runscript (runs the script), helper (what the script may call), cardlock
+  in both the flow and the ranks, torch-free (the flow of a built-in run never imports torch):
+      config (the worker's config and the training parameters), contract (the run folder,
+      GPUFLOW_* variables, the error file), refs, errors, files, lifetime, datacache (lookup)
+  in the flow, with torch, only for the user's own code or data prepared the first time:
+      preflight (one batch through the user's model), userdata, data (prepare), builder and
+      checkpoint (an explicit resume file), statedict (a script's checkpoint, de-prefixed)
+  in a process of its own between the flow and every child: reaper
+"""
 
 from .config import TrainConfig
 

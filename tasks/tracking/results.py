@@ -10,7 +10,7 @@ import mlflow
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from .tracking import TrackedRun
+from .tracked import TrackedRun
 
 
 OUTCOME_TAG = "gpuflow.outcome"  # on every registered version: promoted, rejected (scores), or not compared
@@ -86,11 +86,11 @@ def failed_unless_ready(client, model_id: str):
 
 def register_model(run: TrackedRun, result: dict, registered_name: str, code_root: str | None,
                    description: str) -> str:
-    """Log the trained weights as a pyfunc model from code (tasks/registered_model.py) with the
+    """Log the trained weights as a pyfunc model from code (tasks/tracking/registered_model.py) with the
     model's own code, and register it; idempotent per run. Its input example is a few
     validation samples the worker saved; its signature, their dtypes and shapes and the
     outputs' (`output_spec`: one unnamed tensor, or a dict's named tensors); its requirements,
-    what tasks/requirements.py finds."""
+    what tasks/tracking/requirements.py finds."""
     from mlflow.entities import LoggedModelOutput, LoggedModelStatus
     from mlflow.exceptions import MlflowException
     from mlflow.models import Model

@@ -1,7 +1,7 @@
 """What a registered model needs installed, found without importing its code (the flow stays torch-free).
 
 The model's `requirements.txt` (and conda.yaml, python_env.yaml) lists, each distribution once:
-1. what the loader (tasks/registered_model.py) imports: torch, torchvision, mlflow, numpy;
+1. what the loader (tasks/tracking/registered_model.py) imports: torch, torchvision, mlflow, numpy;
 2. the installed distribution of a package the model's reference names (`torchvision.models:resnet18`);
 3. the installed distributions that the shipped code imports: its `import` statements, read with
    `ast` (the standard library and the shipped packages themselves left out), mapped to their

@@ -12,8 +12,8 @@ from prefect.cache_policies import NO_CACHE
 
 from gpuflow.training.errors import UserError
 
-from .assign import DevicePlan
-from .launch import child_environment, run_child
+from ..devices.assign import DevicePlan
+from ..launch import child_environment, run_child
 
 CHAMPION = "champion"
 

@@ -3,7 +3,7 @@
 `tracked_run()` owns one run per flow run: it creates it (after marking KILLED any run of this
 host whose owner process is gone), relays rank 0's per-epoch metrics file to it with a thread
 while the launch runs, and always ends it FINISHED, FAILED or KILLED. The ranks never import
-MLflow; the results are logged by tasks/results.py.
+MLflow; the results are logged by tasks/tracking/results.py.
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""MLflow: the store, the run a flow owns, results, the registry (see gpuflow/tasks/__init__.py)."""
