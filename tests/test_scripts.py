@@ -75,6 +75,7 @@ SEED_STYLE = """
     if dist.get_rank() == 0:
         torch.save(model.state_dict(), "model.pt")
         mlflow.end_run()
+    dist.barrier()  # leave together: a gloo group torn down while a peer still works aborts it
     dist.destroy_process_group()
 """
 

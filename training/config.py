@@ -20,7 +20,7 @@ OBJECTIVES = ("classification", "model-loss")  # training/objective.py implement
 BUILTIN_MODELS_MODULE = "gpuflow.training.models"  # where the built-ins live (torch-free name for the flow)
 BUILTIN_DATASETS = ("digits", "synthetic", "mnist", "fashion-mnist", "cifar10")
 Precision = Literal["fp32", "bf16", "fp16"]
-# The rule, stated once: the device plan decides it (tasks/assign.py); the worker's config and
+# The rule, stated once: the device plan decides it (tasks/devices/assign.py); the worker's config and
 # its device pick (training/distributed.py) assert it.
 FP16_NEEDS_CUDA = "precision 'fp16' needs CUDA and this run is on CPU; use 'bf16' or 'fp32'"
 Strategy = Literal["single", "dp", "ddp"]

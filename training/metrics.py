@@ -1,7 +1,7 @@
 """Rank 0's per-epoch metrics: one JSON line per epoch, appended to a file the flow names.
 
 The flow sets GPUFLOW_METRICS_FILE and relays each complete line to its MLflow run while the
-workers train (gpuflow.tasks.tracking.MetricsRelay), so the ranks never import MLflow. A
+workers train (gpuflow.tasks.tracking.tracked.MetricsRelay), so the ranks never import MLflow. A
 worker started by hand has no such file; its metrics are in result.json.
 """
 

@@ -10,6 +10,8 @@ import mlflow
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from gpuflow.training.contract import RunFolder
+
 from .tracked import TrackedRun
 
 
@@ -134,12 +136,13 @@ def log_results(run: TrackedRun, result: dict, registered_name: str, code_root: 
     """Log checkpoint, result, worker logs and the registered model; returns the version.
 
     No curves image: the MLflow UI charts the per-epoch metrics the relay logged, live."""
-    client, run_id, workdir = run.client, run.run_id, run.workdir
+    client, run_id = run.client, run.run_id
     client.set_tag(run_id, "torchrun_restarts", str(result.get("restarts", 0)))
     run.log_json(result, "result.json", "training")
     if result.get("checkpoint"):
         client.log_artifact(run_id, result["checkpoint"], "checkpoints")
-    if (workdir / "logs").is_dir():
-        client.log_artifacts(run_id, str(workdir / "logs"), "worker-logs")
-    client.log_artifact(run_id, str(workdir / "config.json"), "training")
+    folder = RunFolder(run.workdir)
+    if folder.logs.is_dir():
+        client.log_artifacts(run_id, str(folder.logs), "worker-logs")
+    client.log_artifact(run_id, str(folder.config), "training")
     return register_model(run, result, registered_name, code_root, description)
