@@ -6,6 +6,7 @@
     gpuflow infer --inputs x.pt [--version 2 --gpus cpu]    predictions for a file of inputs
     gpuflow probe [--json]                                  GPUs, versions, backends
     gpuflow server | serve | ui                             Prefect server, deployments, MLflow UI
+    gpuflow node [--pool gpuflow-nodes]                     this machine as a node for `run --nodes N`
 
 `--gpus` means the same everywhere: auto, cpu, a count ('2'), or physical ids ('3,2';
 '3,' is GPU 3 alone). Every option of `run` is a parameter of the flow and of its
@@ -35,7 +36,7 @@ from .api import STARTUP_TIMEOUT_DEFAULT_S, STARTUP_TIMEOUT_ENV, prefect_api
 from .calls import one_line, quiet_libraries
 
 from .params import EvaluateParams, InferParams, PipelineParams, ScriptParams, origin_is
-from .settings import Settings, server_command, ui_command
+from .settings import NodeService, Settings, server_command, ui_command
 
 quiet_libraries()  # before MLflow is imported, which reads its logging level once
 os.environ.setdefault(STARTUP_TIMEOUT_ENV, str(STARTUP_TIMEOUT_DEFAULT_S))  # for every server a command starts
@@ -123,22 +124,27 @@ def parser(script: bool = False) -> argparse.ArgumentParser:
     probe.add_argument("--json", action="store_true", help="machine-readable output")
     for name, what in SERVICES.items():
         add_model(sub.add_parser(name, help=what + " (settings: options, or GPUFLOW_<NAME> variables)", **kw),
-                  Settings)
+                  NodeService if name == "node" else Settings)
     return top
 
 
 SERVICES = {
+    "node": "this machine as a node of a pool, for runs placed on several machines (gpuflow run --nodes N)",
     "server": "a Prefect server (API and UI) on prefect_host:prefect_port",
     "serve": "serve the deployments against the Prefect server (PREFECT_API_URL, else prefect_host:prefect_port)",
     "ui": "the MLflow UI on mlflow_host:mlflow_port over the tracking store (MLFLOW_TRACKING_URI, else ./mlflow.db)",
 }
 
 
-def run_service(command: str, settings: Settings) -> int:
+def run_service(command: str, settings) -> int:
     """Serve in this process, or run the Prefect server or MLflow UI under the reaper: stopping
     gpuflow (Ctrl-C, SIGTERM, kill -9) stops the server and everything it started."""
     from gpuflow.training.reaper import run_supervised
 
+    if command == "node":
+        from .serve import serve_node
+
+        return serve_node(settings)
     if command == "serve":
         from .serve import main as serve
 

@@ -22,7 +22,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 
 from gpuflow.tasks.devices.assign import DevicePlan, Devices, check_cores, one_device
 from gpuflow.tasks.data import DatasetInfo
-from gpuflow.tasks.launch import Launch, Nodes
+from gpuflow.tasks.launch import Launch, Nodes, Placement
 from gpuflow.training.config import TrainConfig, Training
 from gpuflow.training.contract import RunFolder
 from gpuflow.training.errors import UserError
@@ -114,9 +114,10 @@ class PipelineParams(Tracking, Nodes, Launch, Devices, Training):
 
     @model_validator(mode="after")
     def _fits(self) -> "PipelineParams":
-        if self.nnodes > 1 and self.strategy in ("single", "dp"):
-            raise ValueError(f"nnodes={self.nnodes} needs strategy 'ddp' (or 'auto'), not {self.strategy!r}")
-        if self.nnodes > 1:
+        machines = max(self.nnodes, self.nodes)
+        if machines > 1 and self.strategy in ("single", "dp"):
+            raise ValueError(f"{machines} nodes need strategy 'ddp' (or 'auto'), not {self.strategy!r}")
+        if machines > 1:
             self.strategy = "ddp"  # one process per node is still DDP
         check_cores("num_workers", self.num_workers)
         if self.dataset == "synthetic":
@@ -130,7 +131,7 @@ class PipelineParams(Tracking, Nodes, Launch, Devices, Training):
 
     def world_size(self, plan: DevicePlan) -> int:
         """Processes in the whole job: the plan's per node, times the nodes."""
-        return plan.nproc_per_node * self.nnodes
+        return plan.nproc_per_node * max(self.nnodes, self.nodes)
 
     def run_params(self, config: TrainConfig, plan: DevicePlan) -> dict:
         """The MLflow run's params: the worker's config as it ran, plus the launch's settings."""
@@ -153,7 +154,7 @@ def worker_config(params: PipelineParams, plan: DevicePlan, data: DatasetInfo | 
 
 
 # Where a run is recorded, not how it trains: left out of the run's params.
-RECORD_KEEPING = (*Tracking.model_fields, "node_rank", "rdzv_endpoint")
+RECORD_KEEPING = (*Tracking.model_fields, "node_rank", "rdzv_endpoint", "node_pool", "job")
 
 
 def check_script(v: str) -> str:
@@ -181,7 +182,7 @@ def check_collect(patterns: list[str]) -> list[str]:
     return patterns
 
 
-class ScriptParams(Tracking, Launch, Devices):
+class ScriptParams(Tracking, Placement, Launch, Devices):
     """The train-script flow: your own torchrun script on the assigned devices, in one MLflow run."""
 
     model_config = ConfigDict(extra="forbid")
@@ -197,10 +198,19 @@ class ScriptParams(Tracking, Launch, Devices):
     strategy: Literal["auto", "single", "ddp"] = Field(  # type: ignore[assignment]
         "auto", description="auto: one process per device; the script wraps its model itself (DDP or none)")
 
+    @model_validator(mode="after")
+    def _placed(self) -> "ScriptParams":
+        if self.nodes > 1 and self.strategy == "single":
+            raise ValueError(f"nodes={self.nodes} runs the script in several processes: use strategy 'ddp' or 'auto'")
+        return self
+
+    def world_size(self, plan: DevicePlan) -> int:
+        return plan.nproc_per_node * self.nodes
+
     def run_params(self, plan: DevicePlan) -> dict:
         """gpuflow's own params for the run, under `gpuflow.` so they never collide with the script's."""
         mine = self.model_dump(mode="json", exclude=set(RECORD_KEEPING))
-        mine |= {"backend": plan.backend, "nproc_per_node": plan.nproc_per_node, "world_size": plan.nproc_per_node,
+        mine |= {"backend": plan.backend, "nproc_per_node": plan.nproc_per_node, "world_size": self.world_size(plan),
                  "device": plan.device}
         return {f"gpuflow.{k}": v for k, v in mine.items()}
 

@@ -24,10 +24,12 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
 from gpuflow.tasks.tracking import orphans, results, tracked
-from gpuflow.tasks.launch import TrainingFailed, launch_script
+from gpuflow.tasks.launch import Rendezvous, TrainingFailed, launch_script
+from gpuflow.training.contract import RunFolder
 
+from .nodes import NodeJob, attach, in_node_folder, node_name, place, publish, rendezvous
 from .params import ScriptParams, flat_parameters
-from .session import training_session, unique_name
+from .session import Session, training_session, unique_name
 
 
 def script_run_name() -> str:
@@ -41,24 +43,67 @@ def script_run_name() -> str:
       on_crashed=[orphans.end_flow_run_mlflow_runs], on_cancellation=[orphans.end_flow_run_mlflow_runs])
 @flat_parameters(ScriptParams)
 def train_script(params: ScriptParams) -> dict:
-    """Run your torchrun script on the best devices of this host and log one MLflow run."""
+    """Run your torchrun script on the best devices of this host (or of `nodes` machines) and log one MLflow run."""
+    if params.nodes > 1:
+        return place(params, Path(params.script).stem, {"script": params.script}, "script-node")
     with training_session(params) as s, \
             s.run(Path(params.script).stem, {"script": params.script}, s.plan.nproc_per_node) as run:
         run.log_params(params.run_params(s.plan))
-        launched = time.time()  # collected files older than this were not written by the script
-        try:
-            with run.relaying_metrics():
-                launch_script(params.script, params.script_args, params, params.tracking_uri, s.plan, run.workdir,
-                              run.metrics_file, s.cards)
-        except TrainingFailed:  # the failed script's files and logs are kept in the run too
-            collect_outputs(run, params.collect, launched)
-            raise
-        outputs = collect_outputs(run, params.collect, launched)
+        outputs = run_script(params, s, run)
         version = register(run, outputs, params)
     get_run_logger().info("MLflow run %s finished; checkpoint %s; model version %s", run.run_id,
                           outputs.get("checkpoint"), version)
     return {"run_id": run.run_id, "status": "FINISHED", "model_version": version,
             "world_size": s.plan.nproc_per_node, **outputs}
+
+
+def run_script(params: ScriptParams, s: Session, run: tracked.TrackedRun, rdzv: Rendezvous | None = None) -> dict:
+    """Launch the script, relaying its metrics; then (failed too) log its files and logs."""
+    launched = time.time()  # collected files older than this were not written by the script
+    try:
+        with run.relaying_metrics():
+            launch_script(params.script, params.script_args, params, params.tracking_uri, s.plan, run, s.cards, rdzv)
+    except TrainingFailed:  # the failed script's files and logs are kept in the run too
+        collect_outputs(run, params.collect, launched)
+        raise
+    return collect_outputs(run, params.collect, launched)
+
+
+class ScriptNodeParams(ScriptParams):
+    """A node's part of a placed script run: the run's parameters, and the job."""
+
+    job: NodeJob
+
+
+@flow(name="script-node", flow_run_name=node_name, validate_parameters=False)
+@in_node_folder
+@flat_parameters(ScriptNodeParams)
+def script_node(params: ScriptNodeParams) -> dict:
+    """One machine's part of a placed script run (started by the parent flow, never by hand): the
+    node whose processes hold global rank 0 logs the script's files and registers its model; the
+    others log their logs under nodes/<node>/."""
+    job = params.job
+    with training_session(params) as s:
+        rdzv = rendezvous(job, params.nodes, params.rdzv_timeout_s)
+        run = attach(params, job, s)
+        if job.index == 0:
+            run.log_params(params.run_params(s.plan))
+        try:
+            with run.relaying_metrics():
+                launch_script(params.script, params.script_args, params, params.tracking_uri, s.plan, run, s.cards,
+                              rdzv)
+        finally:
+            rank0 = RunFolder(run.workdir).process_group.is_file()  # rank 0 leaves it when the script ends
+            if not rank0:
+                from gpuflow.tasks.scriptout import log_node_logs
+
+                log_node_logs(run, job.name)
+        if not rank0:
+            return {"node": job.name, "rank0": False}
+        outputs = collect_outputs(run, params.collect, None)
+        version = register(run, outputs, params)
+        publish(job, {"model_version": version, "world_size": params.world_size(s.plan), **outputs})
+    return {"node": job.name, "rank0": True, "model_version": version}
 
 
 @task(name="collect-outputs", cache_policy=NO_CACHE)

@@ -15,17 +15,22 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import sys
+from pathlib import Path
 
 from prefect import serve
 from prefect.deployments.runner import EntrypointType
 from prefect.schedules import Cron
 
 from gpuflow.tasks.devices.cards import DEVICE_LIMIT, limit_exists
+from gpuflow.training.contract import NODE_DIR_ENV
+from gpuflow.training.errors import UserError
 
 from .infer import evaluate_model
+from .nodes import train_node
 from .retrain import retrain
-from .script import train_script
-from .settings import Settings
+from .script import script_node, train_script
+from .settings import NodeService, Settings
 from .train import train_pipeline
 
 
@@ -90,3 +95,43 @@ def main(settings: Settings | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+# --- a machine of the pool -----------------------------------------------------------------
+
+
+def serve_node(service: NodeService) -> int:
+    """The pool (process type), this machine's queue (one job at a time) and the node flows'
+    deployments made if missing, then a Prefect worker on the queue in the foreground, in this
+    folder: runs placed here read and write paths as a run started here would."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.deployments.runner import EntrypointType
+    from prefect.exceptions import ObjectAlreadyExists
+
+    from gpuflow.training.reaper import run_supervised
+
+    from prefect.settings import PREFECT_API_URL
+
+    if not PREFECT_API_URL.value():
+        raise UserError("a node serves the Prefect server the team shares: set PREFECT_API_URL to it "
+                        "(e.g. http://10.0.0.5:4200/api), as on the machine that starts the runs")
+    name = service.name or socket.gethostname().split(".")[0]
+    with get_client(sync_client=True) as client:
+        try:  # machines starting together race to make the pool and the deployment: either wins
+            client.create_work_pool(WorkPoolCreate(name=service.pool, type="process"))
+        except ObjectAlreadyExists:
+            pass
+        try:
+            client.create_work_queue(name=name, work_pool_name=service.pool, concurrency_limit=1)
+        except ObjectAlreadyExists:
+            pass
+    for node_flow in (train_node, script_node):
+        node_flow.to_deployment(name=service.pool, tags=["gpuflow"], entrypoint_type=EntrypointType.MODULE_PATH,
+                                description="One machine's part of a placed run (gpuflow run --nodes N)."
+                                ).apply(work_pool_name=service.pool)
+    os.environ[NODE_DIR_ENV] = str(Path.cwd())  # the worker's flow runs inherit it
+    os.environ.setdefault("PREFECT_WORKER_QUERY_SECONDS", "2")  # a placed run starts within 2 s, not 10
+    print(f"gpuflow node: machine {name} of pool {service.pool}, serving from {Path.cwd()}", file=sys.stderr)
+    return run_supervised([sys.executable, "-m", "prefect", "worker", "start", "--pool", service.pool,
+                           "--work-queue", name, "--limit", "1", "--type", "process"])

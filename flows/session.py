@@ -65,7 +65,8 @@ class Session:
         p = self.params
         self.name = name = current_name(p.run_name, name_stem)
         with tracked.tracked_run(p.tracking_uri, p.experiment, name,
-                                  {**plan_tags(self.plan, world_size), **tags}, dataset, p.runs_dir) as run:
+                                  {**run_tags(), **plan_tags(self.plan, world_size), **tags}, dataset,
+                                  p.runs_dir) as run:
             run.log_json(self.report.model_dump(mode="json"), "environment_report.json", "environment")
             run.log_json(self.plan.model_dump(mode="json"), "device_plan.json", "environment")
             try:
@@ -117,13 +118,15 @@ def entry_point() -> str:
     return f"{prog} {sys.argv[1]}" if prog == "gpuflow" and len(sys.argv) > 1 else prog
 
 
+def run_tags() -> dict:
+    """The MLflow run's tags of the flow run that owns it: its Prefect run and source."""
+    return {store.FLOW_RUN_TAG: flow_run.get_id(), "prefect.flow_run_name": flow_run.get_name(),
+            "prefect.deployment": deployment.get_name(), "mlflow.source.git.commit": store.git_commit(),
+            "mlflow.source.name": entry_point()}
+
+
 def plan_tags(plan: DevicePlan, world: int) -> dict:
-    """The MLflow run's tags every session sets: its Prefect run, source, and devices."""
-    return {
-        store.FLOW_RUN_TAG: flow_run.get_id(), "prefect.flow_run_name": flow_run.get_name(),
-        "prefect.deployment": deployment.get_name(), "mlflow.source.git.commit": store.git_commit(),
-        "mlflow.source.name": entry_point(),
-        "strategy": plan.strategy, "world_size": world, "backend": plan.backend,
-        "device": plan.device, "physical_gpus": ",".join(map(str, plan.physical_ids)) or "none",
-        "primary_gpu": plan.primary if plan.primary is not None else "none",
-    }
+    """The MLflow run's tags of the devices it trained on."""
+    return {"strategy": plan.strategy, "world_size": world, "backend": plan.backend, "device": plan.device,
+            "physical_gpus": ",".join(map(str, plan.physical_ids)) or "none",
+            "primary_gpu": plan.primary if plan.primary is not None else "none"}

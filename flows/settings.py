@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import BaseModel, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 LOOPBACK = "127.0.0.1"
@@ -51,6 +51,15 @@ class Settings(BaseSettings):
     @property
     def mlflow_ui_url(self) -> str:
         return f"http://{self.mlflow_host}:{self.mlflow_port}"
+
+
+class NodeService(BaseModel):
+    """`gpuflow node`: this machine as one node of the pool, until stopped."""
+
+    pool: str = Field("gpuflow-nodes", pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,99}$",
+                      description="the Prefect work pool of the machines (a run's node_pool)")
+    name: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$",
+                             description="this machine's queue in the pool (default: its host name)")
 
 
 def server_command(s: Settings) -> list[str]:

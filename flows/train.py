@@ -15,28 +15,15 @@ from prefect.runtime import flow_run
 
 from gpuflow.tasks.tracking import orphans, results, tracked
 from gpuflow.tasks.devices.assign import DevicePlan
-from gpuflow.tasks.data import DatasetInfo, prepare_dataset
-from gpuflow.tasks.launch import TrainingFailed, launch_training, preflight
+from gpuflow.tasks.data import DatasetInfo
+from gpuflow.tasks.launch import launch_training
 from gpuflow.training.contract import RunFolder
-from gpuflow.training.errors import UserError
 
+from .nodes import place
 from .params import PipelineParams, flat_parameters, worker_config
+from .prepared import prepared, retry_unless_it_repeats
 from .session import Session, training_session, unique_name
 from .settings import Settings
-
-
-def retry_unless_it_repeats(task, task_run, state) -> bool:
-    """Retry what a retry can mend (a flaky download, a rank killed outright), never a refusal
-    of bad input or a failure the ranks said would only repeat."""
-    try:
-        state.result()
-    except UserError:
-        return False
-    except TrainingFailed as e:
-        return not e.deterministic
-    except Exception:
-        return True
-    return True
 
 
 def run_name() -> str:
@@ -59,19 +46,17 @@ def dataset_label(dataset: str) -> str:
       on_crashed=[orphans.end_flow_run_mlflow_runs], on_cancellation=[orphans.end_flow_run_mlflow_runs])
 @flat_parameters(PipelineParams)
 def train_pipeline(params: PipelineParams) -> dict:
-    """Train a model on the best devices of this host and log one MLflow run."""
+    """Train a model on the best devices of this host (or of `nodes` machines) and log one MLflow run."""
+    if params.nodes > 1:
+        return place(params, f"{dataset_label(params.model)}-{dataset_label(params.dataset)}",
+                     {"dataset": params.dataset, "model": params.model}, "train-node")
     with training_session(params, params.batch_size, params.precision) as s:
         return pipeline(params, s)
 
 
 def pipeline(params: PipelineParams, s: Session) -> dict:
     plan, timer = s.plan, s.timer
-    with timer("data"):  # only downloads can flake: retry those alone
-        data = prepare_dataset.with_options(retries=2 if params.download else 0,
-                                            retry_condition_fn=retry_unless_it_repeats)(worker_config(params, plan))
-    with timer("preflight"):
-        classes = preflight(worker_config(params, plan, data), params, data, params.world_size(plan))
-    data = data.model_copy(update={"num_classes": classes})
+    data = prepared(params, s)
     if params.node_rank != 0:  # node 0 owns the MLflow run; the other nodes only train
         folder = RunFolder(Path(params.runs_dir).resolve() / f"node{params.node_rank}-{uuid.uuid4().hex[:8]}")
         return {"node_rank": params.node_rank, "result": train(params, s, data, folder), "timings": timer.seconds}

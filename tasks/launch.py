@@ -53,23 +53,49 @@ def check_endpoint(v: str | None) -> str | None:
     return v
 
 
-class Nodes(BaseModel):
-    """The machines of a job: one by default; several join at node 0's rendezvous."""
+class Placement(BaseModel):
+    """The machines of a job: one by default; several placed by the flow on the node pool's
+    machines (flows/nodes.py)."""
 
-    nnodes: int = Field(1, ge=1, le=4096, description="machines in a multi-node DDP job")
-    node_rank: int = Field(0, ge=0, description="this machine's rank; only node 0 owns the MLflow run")
+    nodes: int = Field(1, ge=1, le=1024, description="machines to train on, placed by the flow through the "
+                       "Prefect work pool node_pool (each machine runs `gpuflow node`); --gpus applies on each")
+    node_pool: str = Field("gpuflow-nodes", pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,99}$",
+                           description="the Prefect work pool whose queues are the machines (nodes > 1)")
+    rdzv_timeout_s: int = Field(300, ge=10, le=86_400, description="fail when not every node arrives (or, "
+                                "placed, starts) in time")
+
+
+class Nodes(Placement):
+    """Placement, and the low-level path: machines started by hand on each (nnodes, node_rank and
+    rdzv_endpoint, the same on every machine)."""
+
+    nnodes: int = Field(1, ge=1, le=4096, description="low-level: machines of a job started by hand on each")
+    node_rank: int = Field(0, ge=0, description="low-level: this machine's rank; only node 0 owns the MLflow run")
     rdzv_endpoint: Annotated[str | None, AfterValidator(check_endpoint)] = Field(
-        None, description="host:port of node 0's rendezvous (multi-node)")
-    rdzv_timeout_s: int = Field(300, ge=10, le=86_400, description="fail when not every node arrives in time")
+        None, description="low-level: host:port of node 0's rendezvous, the same on every machine")
 
     @model_validator(mode="after")
     def _joinable(self) -> "Nodes":
+        if self.nodes > 1 and self.nnodes > 1:
+            raise ValueError(f"nodes={self.nodes} places the run itself; drop nnodes={self.nnodes} (the "
+                             "low-level path, for machines started by hand)")
         if self.nnodes > 1 and not self.rdzv_endpoint:
             raise ValueError(f"nnodes={self.nnodes} needs rdzv_endpoint=<node 0 host>:<port>, "
                              "the same on every node")
         if self.node_rank >= self.nnodes:
             raise ValueError(f"node_rank {self.node_rank} must be below nnodes {self.nnodes}")
         return self
+
+
+class Rendezvous(BaseModel):
+    """A placed job's c10d rendezvous (flows/nodes.py): every node's agent joins the store that
+    node 0's agent hosts at `endpoint`; torchrun gives the global ranks."""
+
+    endpoint: str
+    id: str
+    nnodes: int
+    host: bool
+    local_addr: str
 
 
 class RendezvousError(UserError):
@@ -95,20 +121,27 @@ def port_in_use(host: str, port: int) -> bool:
     return False
 
 
-def build_command(plan: DevicePlan, launch: Launch, nodes: Nodes, config: Path, result: Path) -> list[str]:
+def build_command(plan: DevicePlan, launch: Launch, nodes: Nodes, config: Path, result: Path,
+                  rdzv: Rendezvous | None = None) -> list[str]:
     worker = ["-m", "gpuflow.training", "--config", str(config), "--result", str(result)]
     if plan.strategy != "ddp":
         return [sys.executable, *worker]
-    return [*torchrun(plan, launch, nodes), *worker]
+    return [*torchrun(plan, launch, nodes, rdzv), *worker]
 
 
-def torchrun(plan: DevicePlan, launch: Launch, opts: Nodes) -> list[str]:
+def torchrun(plan: DevicePlan, launch: Launch, opts: Nodes, rdzv: Rendezvous | None = None) -> list[str]:
     """torchrun with the plan's processes per node, restarts and rendezvous."""
     # The worker's ranks print through torchrun's own stdout and stderr: no --tee/--log-dir, whose
     # log-tailing threads once kept a signalled torchrun from exiting. (Scripts use them for
     # per-rank logs; tests/test_scripts.py stops such a run with SIGTERM.)
+    restarts = 0 if rdzv else launch.max_restarts  # placed: a node that fails fails the job
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={plan.nproc_per_node}",
-           f"--max-restarts={launch.max_restarts}", "--role=rank"]
+           f"--max-restarts={restarts}", "--role=rank"]
+    if rdzv:  # its peers leave within a second; restarting them would resume from different checkpoints
+        return [*cmd, f"--nnodes={rdzv.nnodes}:{rdzv.nnodes}",
+                "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv.endpoint}", f"--rdzv-id={rdzv.id}",
+                f"--local-addr={rdzv.local_addr}",  # the workers' MASTER_ADDR, when rank 0 is here
+                f"--rdzv-conf=is_host={str(rdzv.host).lower()},join_timeout={opts.rdzv_timeout_s}"]
     if opts.nnodes == 1 and not opts.rdzv_endpoint:
         cmd += ["--standalone",  # c10d on a free localhost port: parallel runs never collide
                 f"--rdzv-conf=join_timeout={opts.rdzv_timeout_s}"]
@@ -254,20 +287,24 @@ def child_environment(plan: DevicePlan, metrics_file: Path | None = None) -> dic
 
 
 def launch(config: Path, plan: DevicePlan, opts: Launch, nodes: Nodes, workdir: Path, log,
-           metrics_file: Path | None = None, hold_fds: tuple[int, ...] = (), attempt: int = 1) -> dict:
-    """Run the worker for `config` with the plan's devices; its results JSON."""
+           metrics_file: Path | None = None, hold_fds: tuple[int, ...] = (), attempt: int = 1,
+           rdzv: Rendezvous | None = None) -> dict:
+    """Run the worker for `config` with the plan's devices; its results JSON (empty metrics on a
+    node whose ranks do not include global rank 0)."""
     check_rendezvous(nodes)
     folder = RunFolder(workdir)
     result = folder.result
     result.unlink(missing_ok=True)
-    cmd = build_command(plan, opts, nodes, config, result)
+    cmd = build_command(plan, opts, nodes, config, result, rdzv)
     log.info("launching: %s", " ".join(cmd))
     env = child_environment(plan, metrics_file) | {LAUNCH_ATTEMPT_ENV: str(attempt), **error_folder(workdir)}
+    if rdzv:  # a fresh store per attempt, hosted by rank 0 (pytorch#167288)
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     code, tail = run_child(cmd, env, workdir, log, hold_fds, log_file=folder.log("worker.log"))
     if code != 0:
         raise failure("training", code, workdir, tail, "worker.log")
     if not result.is_file():
-        if nodes.node_rank != 0:
+        if nodes.node_rank != 0 or rdzv:
             return {"node_rank": nodes.node_rank, "final_metrics": {}}
         raise TrainingFailed(f"training exited 0 but wrote no {result}")
     return json.loads(result.read_text())
@@ -275,58 +312,58 @@ def launch(config: Path, plan: DevicePlan, opts: Launch, nodes: Nodes, workdir: 
 
 @task(name="launch-training", retries=0, cache_policy=NO_CACHE)
 def launch_training(config: Path, plan: DevicePlan, opts: Launch, nodes: Nodes, workdir: Path,
-                    metrics_file: Path | None = None, hold_fds: tuple[int, ...] = ()) -> dict:
+                    metrics_file: Path | None = None, hold_fds: tuple[int, ...] = (),
+                    rdzv: Rendezvous | None = None) -> dict:
     """Run the worker with the plan's devices; stream its output; return its results JSON."""
     from prefect import get_run_logger
     from prefect.runtime import task_run
 
-    return launch(config, plan, opts, nodes, workdir, get_run_logger(), metrics_file, hold_fds, task_run.run_count)
+    return launch(config, plan, opts, nodes, workdir, get_run_logger(), metrics_file, hold_fds, task_run.run_count,
+                  rdzv)
 
 
-def script_environment(plan: DevicePlan, workdir: Path, metrics_file: Path, tracking_uri: str) -> dict:
-    """The plan's environment plus the flow's MLflow run, for the script's own mlflow calls (an
-    absolute store URI: the script's folder is not the flow's business), and its output folder."""
-    import mlflow
-
+def script_environment(plan: DevicePlan, run, tracking_uri: str) -> dict:
+    """The plan's environment plus the flow's MLflow run (a TrackedRun: this flow's, or on a node
+    of a placed run, the parent's), for the script's own mlflow calls (an absolute store URI: the
+    script's folder is not the flow's business), and its output folder."""
     from .tracking.store import absolute_uri
 
-    env = child_environment(plan, metrics_file)
+    env = child_environment(plan, run.metrics_file)
     env.pop("MLFLOW_EXPERIMENT_NAME", None)  # the run's own experiment, set below, is the one
-    run = mlflow.active_run()
-    env |= {"MLFLOW_RUN_ID": run.info.run_id, "MLFLOW_EXPERIMENT_ID": run.info.experiment_id,
+    env |= {"MLFLOW_RUN_ID": run.run_id, "MLFLOW_EXPERIMENT_ID": run.experiment_id,
             "MLFLOW_TRACKING_URI": absolute_uri(tracking_uri),
             "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false",  # the flow runs the one monitor of the run
             # a fresh store (hosted by rank 0) per torchrun attempt: the agent's shared one keeps
             # the previous attempt's addresses, and a restarted rank dialled a dead peer (pytorch#167288)
             "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-            OUTPUT_DIR_ENV: str(RunFolder(workdir).outputs)}
+            OUTPUT_DIR_ENV: str(RunFolder(run.workdir).outputs)}
     return env
 
 
 @task(name="launch-script", retries=0, cache_policy=NO_CACHE)
 def launch_script(script: str, script_args: list[str], opts: Launch, tracking_uri: str, plan: DevicePlan,
-                  workdir: Path, metrics_file: Path, hold_fds: tuple[int, ...] = ()) -> None:
+                  run, hold_fds: tuple[int, ...] = (), rdzv: Rendezvous | None = None) -> None:
     """Run the user's script under torchrun, always (one process per device), from the folder
-    gpuflow runs in; stream its output to the flow's log and logs/script.log."""
+    gpuflow runs in, in the MLflow run `run`; stream its output to the flow's log and logs/script.log."""
     from prefect import get_run_logger
 
-    log, folder = get_run_logger(), RunFolder(workdir)
+    log, folder = get_run_logger(), RunFolder(run.workdir)
     folder.outputs.mkdir(parents=True, exist_ok=True)
     # per-rank logs (logs/ranks/<job>/attempt_<n>/<local rank>/std{out,err}.log, logged with the run)
     # and every console line tagged with its global rank
     # run by gpuflow's runner, as `python script.py` would: whole lines, the run's collective
     # timeout, and the script's own exception left for the flow (training/runscript.py)
-    cmd = [*torchrun(plan, opts, Nodes()), f"--log-dir={folder.logs / 'ranks'}", "--tee=3",
+    cmd = [*torchrun(plan, opts, Nodes(), rdzv), f"--log-dir={folder.logs / 'ranks'}", "--tee=3",
            "--log-line-prefix-template=[rank${rank}]:", "-m", "gpuflow.training.runscript", script,
            *script_args]
     log.info("launching: %s", " ".join(cmd))
-    env = script_environment(plan, workdir, metrics_file, tracking_uri)
+    env = script_environment(plan, run, tracking_uri)
     folder.process_group.unlink(missing_ok=True)  # rank 0 writes it afresh when the script ends well
-    env |= {**error_folder(workdir), DIST_TIMEOUT_ENV: str(opts.dist_timeout_s),
+    env |= {**error_folder(folder.root), DIST_TIMEOUT_ENV: str(opts.dist_timeout_s),
             PROCESS_GROUP_FILE_ENV: str(folder.process_group)}
     code, tail = run_child(cmd, env, Path.cwd(), log, hold_fds, log_file=folder.log("script.log"))
     if code != 0:
-        raise failure(Path(script).name, code, workdir, tail, "script.log")
+        raise failure(Path(script).name, code, folder.root, tail, "script.log")
 
 
 def check_resume(cfg, num_classes: int | None, input_shape: list[int] | None) -> None:

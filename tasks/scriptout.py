@@ -171,3 +171,14 @@ def checkpoint_from(run: TrackedRun, source: Path, spec: dict | None, cwd: Path)
     client.set_tag(run_id, "gpuflow.checkpoint", f"{source.name}: state dict at {where}, {len(state)} tensors, "
                    "prefixes stripped; loads with load_state_dict(ck['model'], strict=True)")
     return {"checkpoint": str(checkpoint), "weights": str(weights)}
+
+
+def log_node_logs(run: TrackedRun, node: str) -> None:
+    """A node of a placed script run whose processes did not hold global rank 0: its logs alone,
+    under nodes/<node>/logs (rank 0's node logs the script's files as one machine would)."""
+    folder = RunFolder(run.workdir)
+    logs, skipped = plain_files(folder.logs)
+    for p in logs:
+        _log_file(run, p, str(Path("nodes", node, "logs") / p.parent.relative_to(folder.logs)), skipped)
+    if skipped:
+        log.warning("not logged: %s", "; ".join(skipped)[:2000])

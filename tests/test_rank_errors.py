@@ -150,7 +150,7 @@ def test_a_script_stuck_in_a_collective_fails_after_the_runs_dist_timeout(tmp_pa
 def test_a_prefect_retry_of_the_launch_is_spent_only_where_it_can_help():
     from prefect.states import Failed
 
-    from gpuflow.flows.train import retry_unless_it_repeats
+    from gpuflow.flows.prepared import retry_unless_it_repeats
     from gpuflow.tasks.launch import TrainingFailed
     from gpuflow.training.errors import UserError
 

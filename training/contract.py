@@ -35,6 +35,8 @@ FAULT_ENV = "GPUFLOW_FAULT"  # tests only: kill a rank at a chosen point (faults
 DIST_TIMEOUT_ENV = "GPUFLOW_DIST_TIMEOUT_S"  # a user script's default collective timeout (runscript.py)
 PROCESS_GROUP_FILE_ENV = "GPUFLOW_PROCESS_GROUP_FILE"  # where rank 0 records whether the script joined one
 JOIN_GRACE_ENV = "GPUFLOW_JOIN_GRACE_S"  # how long rank 0 may run without a process group before a warning
+NODE_ADDR_ENV = "GPUFLOW_NODE_ADDR"  # a machine's address for the other nodes of a placed run (flows/nodes.py)
+NODE_DIR_ENV = "GPUFLOW_NODE_DIR"  # the folder `gpuflow node` serves from: its placed runs run there
 JOIN_GRACE_S = 60.0  # long enough for a script's data preparation before init_process_group
 PROCESS_GROUP_FILE = "process_group.json"  # its name in the run folder
 

@@ -197,6 +197,14 @@ def tracked_run(uri: str, experiment: str, run_name: str, tags: dict, dataset: d
             checkpoint_wal(uri)  # the store's file alone now shows this run
 
 
+def attached_run(uri: str, run_id: str, workdir: str | Path) -> TrackedRun:
+    """A run another process owns and ends (a placed run's parent), for a node to log into."""
+    client = prepare_store(uri)
+    run = client.get_run(run_id)
+    Path(workdir).mkdir(parents=True, exist_ok=True)
+    return TrackedRun(client, run_id, run.info.experiment_id, Path(workdir).resolve())
+
+
 def log_dataset(ds: dict, attempts: int = 5) -> None:
     """The dataset as the active run's input, retried when a concurrent run inserted it first.
 

@@ -1,0 +1,36 @@
+"""The data step and the preflight of gpuflow's own worker, which a run on one machine and each
+node of a placed run take alike."""
+
+from __future__ import annotations
+
+from gpuflow.tasks.data import DatasetInfo, prepare_dataset
+from gpuflow.tasks.launch import TrainingFailed, preflight
+from gpuflow.training.errors import UserError
+
+from .params import PipelineParams, worker_config
+from .session import Session
+
+
+def retry_unless_it_repeats(task, task_run, state) -> bool:
+    """Retry what a retry can mend (a flaky download, a rank killed outright), never a refusal
+    of bad input or a failure the ranks said would only repeat."""
+    try:
+        state.result()
+    except UserError:
+        return False
+    except TrainingFailed as e:
+        return not e.deterministic
+    except Exception:
+        return True
+    return True
+
+
+def prepared(params: PipelineParams, s: Session) -> DatasetInfo:
+    """The dataset prepared once (downloads retried, nothing else), then one batch of the user's
+    code checked on the CPU; with the class count the worker trains with."""
+    with s.timer("data"):
+        data = prepare_dataset.with_options(retries=2 if params.download else 0,
+                                            retry_condition_fn=retry_unless_it_repeats)(worker_config(params, s.plan))
+    with s.timer("preflight"):
+        classes = preflight(worker_config(params, s.plan, data), params, data, params.world_size(s.plan))
+    return data.model_copy(update={"num_classes": classes})
