@@ -63,7 +63,7 @@ class NodeParams(PipelineParams):
     job: NodeJob
 
 
-class NodeFailed(UserError):
+class NodeFailed(TrainingFailed):
     """A node of a placed run failed or never started."""
 
 
@@ -138,7 +138,7 @@ def watch(children: dict, start_timeout_s: float) -> None:
     has not started within `start_timeout_s`, cancels the others and fails the run naming it."""
     from prefect.client.orchestration import get_client
 
-    log, started, seen = get_run_logger(), time.monotonic(), set()
+    log, started, seen, runs = get_run_logger(), time.monotonic(), set(), dict(children)
     with get_client(sync_client=True) as client:
         try:
             while True:
@@ -158,29 +158,42 @@ def watch(children: dict, start_timeout_s: float) -> None:
                                      f"its queue; run `gpuflow node` on that machine, or pick other nodes")
                 time.sleep(POLL_S)
         except BaseException:
-            cancel(client, runs if "runs" in locals() else {m: r for m, r in children.items()})
+            cancel(client, runs)
             raise
 
 
 def relay_logs(client, runs: dict, seen: set, log) -> None:
-    """Each node's new log lines, in the parent's log with the node's name in front."""
+    """Each node's new log lines, in order, in the parent's log with the node's name in front."""
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.client.schemas.sorting import LogSort
 
     by_id = {r.id: m for m, r in runs.items()}
-    for line in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=list(by_id)))):
-        if line.id not in seen:
-            seen.add(line.id)
-            log.info("[%s] %s", by_id.get(line.flow_run_id, "?"), line.message)
+    while True:
+        page = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=list(by_id))), offset=len(seen),
+                                limit=200, sort=LogSort.TIMESTAMP_ASC)
+        for line in page:
+            if line.id not in seen:
+                seen.add(line.id)
+                log.info("[%s] %s", by_id.get(line.flow_run_id, "?"), line.message)
+        if len(page) < 200:
+            return
 
 
-def cancel(client, runs: dict) -> None:
-    """Cancel every node still scheduled or running; their workers stop the processes."""
-    from prefect.states import Cancelling
+def cancel(client, runs: dict, grace_s: float = 10.0) -> None:
+    """Cancel every node not yet ended: its worker stops the processes. A node whose machine is gone
+    has no worker left to do so: after the grace its run is marked Cancelled, so none stays open."""
+    from prefect.states import Cancelled, Cancelling
 
-    for r in runs.values():
-        state = client.read_flow_run(r.id).state
-        if state is None or not state.is_final():
-            client.set_flow_run_state(r.id, Cancelling(message="another node of the run failed"), force=True)
+    def open_runs():
+        return [r for r in runs.values() if not (client.read_flow_run(r.id).state or Cancelling()).is_final()]
+
+    for r in open_runs():
+        client.set_flow_run_state(r.id, Cancelling(message="another node of the run failed"), force=True)
+    deadline = time.monotonic() + grace_s
+    while (left := open_runs()) and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+    for r in left:
+        client.set_flow_run_state(r.id, Cancelled(message="its machine did not answer the cancellation"), force=True)
 
 
 # --- a node --------------------------------------------------------------------------------
@@ -215,7 +228,16 @@ def rendezvous(job: NodeJob, nodes: int, timeout_s: float) -> Rendezvous:
             if time.monotonic() > deadline:
                 raise NodeFailed(f"node 0 published no rendezvous endpoint within {timeout_s:g} s")
             time.sleep(POLL_S)
-    return Rendezvous(endpoint=endpoint, id=job.id, nnodes=nodes, host=job.index == 0, local_addr=address)
+    return Rendezvous(endpoint=endpoint, id=job.id, nnodes=nodes, host=job.index == 0, local_addr=address,
+                      interface=interface_of(address))
+
+
+def interface_of(address: str) -> str | None:
+    """The network interface that holds `address` on this machine."""
+    import psutil
+
+    return next((name for name, addrs in psutil.net_if_addrs().items() if any(a.address == address for a in addrs)),
+                None)
 
 
 def attach(params, job: NodeJob, s) -> tracked.TrackedRun:

@@ -96,6 +96,16 @@ class Rendezvous(BaseModel):
     nnodes: int
     host: bool
     local_addr: str
+    interface: str | None = None  # the one local_addr is on: gloo's and NCCL's sockets use it
+
+    def environ(self) -> dict:
+        """Collectives on the nodes' shared network: gloo and NCCL otherwise take the address the host
+        name resolves to (often 127.0.0.1), which the other machines cannot reach. A user's own
+        GLOO_SOCKET_IFNAME or NCCL_SOCKET_IFNAME wins."""
+        env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # a fresh store per attempt (pytorch#167288)
+        if self.interface:
+            env |= {k: os.environ.get(k, self.interface) for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
+        return env
 
 
 class RendezvousError(UserError):
@@ -298,8 +308,8 @@ def launch(config: Path, plan: DevicePlan, opts: Launch, nodes: Nodes, workdir: 
     cmd = build_command(plan, opts, nodes, config, result, rdzv)
     log.info("launching: %s", " ".join(cmd))
     env = child_environment(plan, metrics_file) | {LAUNCH_ATTEMPT_ENV: str(attempt), **error_folder(workdir)}
-    if rdzv:  # a fresh store per attempt, hosted by rank 0 (pytorch#167288)
-        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    if rdzv:
+        env |= rdzv.environ()
     code, tail = run_child(cmd, env, workdir, log, hold_fds, log_file=folder.log("worker.log"))
     if code != 0:
         raise failure("training", code, workdir, tail, "worker.log")
@@ -360,7 +370,7 @@ def launch_script(script: str, script_args: list[str], opts: Launch, tracking_ur
     env = script_environment(plan, run, tracking_uri)
     folder.process_group.unlink(missing_ok=True)  # rank 0 writes it afresh when the script ends well
     env |= {**error_folder(folder.root), DIST_TIMEOUT_ENV: str(opts.dist_timeout_s),
-            PROCESS_GROUP_FILE_ENV: str(folder.process_group)}
+            PROCESS_GROUP_FILE_ENV: str(folder.process_group), **(rdzv.environ() if rdzv else {})}
     code, tail = run_child(cmd, env, Path.cwd(), log, hold_fds, log_file=folder.log("script.log"))
     if code != 0:
         raise failure(Path(script).name, code, folder.root, tail, "script.log")

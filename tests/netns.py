@@ -305,11 +305,14 @@ def create_pool(api_url: str, pool: str, queues: list[str]) -> None:
             client.create_work_queue(name=queue, work_pool_name=pool, concurrency_limit=1)
 
 
-def start_worker(node: Node, api_url: str, pool: str, tag: str, **env: str) -> None:
-    """The node's Prefect worker, in its namespace and a session of its own."""
+def start_worker(node: Node, api_url: str, pool: str, tag: str, gpuflow_node: bool = False, **env: str) -> None:
+    """The node's Prefect worker, in its namespace and a session of its own; with `gpuflow_node`,
+    as `gpuflow node` starts it (with gpuflow's node deployments), serving from the node's folder."""
     node.home.mkdir(parents=True, exist_ok=True)
-    cmd = node.command([str(BIN / "prefect"), "worker", "start", "--pool", pool, "--work-queue",
-                        node.queue, "--limit", "1", "--name", node.name])
+    argv = ([str(BIN / "gpuflow"), "node", "--pool", pool, "--name", node.name] if gpuflow_node else
+            [str(BIN / "prefect"), "worker", "start", "--pool", pool, "--work-queue", node.queue, "--limit", "1",
+             "--name", node.name])
+    cmd = node.command(argv)
     env = _prefect_env(node.home / "prefect", tag, PREFECT_API_URL=api_url,
                        GPUFLOW_LOCK_DIR=str(node.home / "locks"), **env)
     with open(node.log, "w") as log:
@@ -382,9 +385,10 @@ class Cluster:
 
 @contextlib.contextmanager
 def two_nodes(tmp: Path, names: tuple[str, ...] = ("node-a", "node-b"), query_seconds: float = 1,
-              **worker_env: str) -> Iterator[Cluster]:
+              gpuflow_node: bool = False, **worker_env: str) -> Iterator[Cluster]:
     """The whole harness (see the module docstring); `query_seconds` is the workers' polling
-    interval (PREFECT_WORKER_QUERY_SECONDS, Prefect's default 10), `worker_env` extra variables."""
+    interval (PREFECT_WORKER_QUERY_SECONDS, Prefect's default 10), `gpuflow_node` starts each worker
+    with `gpuflow node` (flows/serve.py), `worker_env` extra variables."""
     with network(names) as net:
         server, url = prefect_server_on(net, tmp / "server")
         with server:
@@ -393,7 +397,7 @@ def two_nodes(tmp: Path, names: tuple[str, ...] = ("node-a", "node-b"), query_se
                 create_pool(url, cluster.pool, [n.queue for n in net.nodes])
                 for node in net.nodes:
                     node.home = tmp / node.name
-                    start_worker(node, url, cluster.pool, net.tag,
+                    start_worker(node, url, cluster.pool, net.tag, gpuflow_node,
                                  PREFECT_WORKER_QUERY_SECONDS=str(query_seconds), **worker_env)
                 wait_polled(url, cluster.pool, net.nodes)
                 yield cluster

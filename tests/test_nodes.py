@@ -1,0 +1,118 @@
+"""A run placed on several machines (flows/nodes.py): two machines stood up on this host as network
+namespaces with their own addresses (tests/netns.py), each running `gpuflow node`; the run is
+started from the root namespace with `gpuflow run --nodes 2`."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlflow
+import pytest
+import torch
+
+from tests.helpers import ROOT
+from tests.netns import two_nodes
+
+pytestmark = pytest.mark.slow
+
+JOB = ["--gpus", "cpu", "--epochs", "2", "--seed", "7", "--dataset", "digits", "--model", "mlp"]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with two_nodes(tmp_path_factory.mktemp("nodes"), gpuflow_node=True) as c:
+        yield c
+
+
+def gpuflow(cluster, tmp: Path, *args: str, **popen) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "gpuflow.flows", "run", *args,
+                             "--tracking-uri", f"sqlite:///{tmp / 'mlflow.db'}"], cwd=tmp,
+                            env=cluster.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, **popen)
+
+
+def finished(proc: subprocess.Popen, timeout: float = 420) -> tuple[int, dict | None, str]:
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, (json.loads(out[out.index("{"):]) if proc.returncode == 0 else None), err
+
+
+def weights(path: str) -> dict:
+    return torch.load(path, weights_only=True)["model"]
+
+
+def test_a_run_placed_on_two_nodes_trains_as_one_node_with_two_processes(cluster, tmp_path):
+    code, placed, err = finished(gpuflow(cluster, tmp_path, *JOB, "--nodes", "2", "--cpu-processes", "1",
+                                         "--node-pool", cluster.pool))
+    assert code == 0, err[-4000:]
+    code, single, err1 = finished(gpuflow(cluster, tmp_path, *JOB, "--cpu-processes", "2"))
+    assert code == 0, err1[-4000:]
+    assert placed["world_size"] == single["world_size"] == 2
+    for k in ("train_loss", "val_loss", "val_accuracy"):
+        assert placed["final_metrics"][k] == pytest.approx(single["final_metrics"][k], rel=1e-6, abs=1e-7), k
+    a, b = weights(placed["checkpoint"]), weights(single["checkpoint"])
+    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+    # each node launched from its own address; both joined node 0's published endpoint
+    net = {n.name: n.addr for n in cluster.nodes}
+    found = re.findall(r"\[(node-[ab])\] launching: .*?--rdzv-endpoint=(\S+) .*?--local-addr=(\S+)", err)
+    launches = {n: (endpoint, addr) for n, endpoint, addr in found}
+    assert {n: addr for n, (_, addr) in launches.items()} == net, err[-4000:]
+    assert {ep.rpartition(":")[0] for ep, _ in launches.values()} == {net["node-a"]}  # node 0 hosts the store
+
+    # one MLflow run, owned by the parent, with both nodes' environments and rank 0's results
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run = client.get_run(placed["run_id"])
+    assert run.info.status == "FINISHED" and run.data.tags["nodes"] == "2"
+    assert run.data.tags["machines"] == "node-a,node-b" and run.data.params["world_size"] == "2"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "val_loss")] == [1, 2]
+    envs = {f.path for f in client.list_artifacts(run.info.run_id, "environment")}
+    assert envs == {"environment/node-a", "environment/node-b"}
+    assert placed["model_version"] and client.get_model_version("gpuflow-model", placed["model_version"]).run_id \
+        == run.info.run_id
+    assert len(client.search_runs([run.info.experiment_id])) == 2  # the placed run and the single one
+
+
+def test_a_node_killed_mid_run_fails_the_run_and_the_other_node_stops(cluster, tmp_path):
+    proc = gpuflow(cluster, tmp_path, "--gpus", "cpu", "--cpu-processes", "1", "--nodes", "2",
+                   "--node-pool", cluster.pool, "--dataset", "synthetic", "--synthetic-size", "20000",
+                   "--epochs", "50", "--run-name", "to-kill")
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    deadline = time.monotonic() + 300
+    while not _training(client):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-4000:]
+        time.sleep(1)
+    cluster.kill_node("node-b")  # its worker, its flow run, torchrun and the rank: gone at once
+    code, _, err = finished(proc, timeout=240)
+    assert code == 1, err[-4000:]
+    assert re.search(r"gpuflow run: node node-[ab] failed", err), err[-3000:]
+    (run,) = client.search_runs(client.get_experiment_by_name("gpuflow").experiment_id,
+                                "tags.`mlflow.runName` = 'to-kill'")
+    assert run.info.status == "FAILED"
+    deadline = time.monotonic() + 60
+    while (left := _ranks(cluster.node("node-a").pids())) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert not left, left  # node-a's torchrun and rank stopped with their peer
+
+
+def _training(client) -> bool:
+    exp = client.get_experiment_by_name("gpuflow")
+    runs = client.search_runs(exp.experiment_id, "tags.`mlflow.runName` = 'to-kill'") if exp else []
+    return bool(runs and client.get_metric_history(runs[0].info.run_id, "train_loss"))
+
+
+def _ranks(pids: list[int]) -> list[str]:
+    out = []
+    for pid in pids:
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if "torch.distributed.run" in cmd or "-m gpuflow.training --config" in cmd:  # not `gpuflow node`'s reaper
+            out.append(cmd[:200])
+    return out
