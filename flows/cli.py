@@ -7,6 +7,7 @@
     gpuflow probe [--json]                                  GPUs, versions, backends
     gpuflow server | serve | ui                             Prefect server, deployments, MLflow UI
     gpuflow node [--pool gpuflow-nodes]                     this machine as a node for `run --nodes N`
+    gpuflow stack --data DIR                                Prefect + MLflow servers on PostgreSQL, for a team
 
 `--gpus` means the same everywhere: auto, cpu, a count ('2'), or physical ids ('3,2';
 '3,' is GPU 3 alone). Every option of `run` is a parameter of the flow and of its
@@ -37,6 +38,7 @@ from .calls import one_line, quiet_libraries
 
 from .params import EvaluateParams, InferParams, PipelineParams, ScriptParams, origin_is
 from .settings import NodeService, Settings, server_command, ui_command
+from .stack import StackService
 
 quiet_libraries()  # before MLflow is imported, which reads its logging level once
 os.environ.setdefault(STARTUP_TIMEOUT_ENV, str(STARTUP_TIMEOUT_DEFAULT_S))  # for every server a command starts
@@ -124,11 +126,12 @@ def parser(script: bool = False) -> argparse.ArgumentParser:
     probe.add_argument("--json", action="store_true", help="machine-readable output")
     for name, what in SERVICES.items():
         add_model(sub.add_parser(name, help=what + " (settings: options, or GPUFLOW_<NAME> variables)", **kw),
-                  NodeService if name == "node" else Settings)
+                  {"node": NodeService, "stack": StackService}.get(name, Settings))
     return top
 
 
 SERVICES = {
+    "stack": "a Prefect server and an MLflow tracking server on PostgreSQL, for a team to share",
     "node": "this machine as a node of a pool, for runs placed on several machines (gpuflow run --nodes N)",
     "server": "a Prefect server (API and UI) on prefect_host:prefect_port",
     "serve": "serve the deployments against the Prefect server (PREFECT_API_URL, else prefect_host:prefect_port)",
@@ -141,6 +144,10 @@ def run_service(command: str, settings) -> int:
     gpuflow (Ctrl-C, SIGTERM, kill -9) stops the server and everything it started."""
     from gpuflow.training.reaper import run_supervised
 
+    if command == "stack":
+        from .stack import serve_stack
+
+        return serve_stack(settings)
     if command == "node":
         from .serve import serve_node
 

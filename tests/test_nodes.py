@@ -26,7 +26,9 @@ JOB = ["--gpus", "cpu", "--epochs", "2", "--seed", "7", "--dataset", "digits", "
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    with two_nodes(tmp_path_factory.mktemp("nodes"), gpuflow_node=True) as c:
+    # the tests' scripts live in their tmp folders, which the nodes' allowlist must take
+    with two_nodes(tmp_path_factory.mktemp("nodes"), gpuflow_node=True,
+                   GPUFLOW_ALLOW_PATHS=str(tmp_path_factory.getbasetemp())) as c:
         yield c
 
 
@@ -76,6 +78,41 @@ def test_a_run_placed_on_two_nodes_trains_as_one_node_with_two_processes(cluster
     assert placed["model_version"] and client.get_model_version("gpuflow-model", placed["model_version"]).run_id \
         == run.info.run_id
     assert len(client.search_runs([run.info.experiment_id])) == 2  # the placed run and the single one
+
+
+SCRIPT = """
+import os, torch, torch.distributed as dist
+from gpuflow.training import helper
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(1, 4):
+    loss = model(torch.randn(8, 4)).pow(2).mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+    helper.report({"loss": loss.item()}, step=step)
+if dist.get_rank() == 0:
+    torch.save(model.state_dict(), os.path.join(helper.output_dir(), "model.pt"))
+print(f"rank {dist.get_rank()} of {dist.get_world_size()}, master {os.environ['MASTER_ADDR']}")
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_an_unchanged_torchrun_script_runs_on_two_nodes_in_one_run(cluster, tmp_path):
+    (tmp_path / "train.py").write_text(SCRIPT)
+    code, out, err = finished(gpuflow(cluster, tmp_path, "--script", str(tmp_path / "train.py"), "--gpus", "cpu",
+                                      "--cpu-processes", "1", "--nodes", "2", "--node-pool", cluster.pool))
+    assert code == 0, err[-4000:]
+    assert out["world_size"] == 2 and out["outputs"] == ["model.pt"] and out["checkpoint"]
+    masters = set(re.findall(r"rank \d of 2, master (\S+)", err))
+    assert len(masters) == 1 and masters <= {n.addr for n in cluster.nodes}, err[-3000:]  # rank 0's node
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run = client.get_run(out["run_id"])
+    assert run.info.status == "FINISHED" and run.data.params["gpuflow.world_size"] == "2"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [1, 2, 3]
+    logged = {f.path for f in client.list_artifacts(run.info.run_id)}
+    assert {"outputs", "logs", "nodes", "environment"} <= logged  # the other node's logs under nodes/
 
 
 def test_a_node_killed_mid_run_fails_the_run_and_the_other_node_stops(cluster, tmp_path):
