@@ -40,6 +40,7 @@ def main() -> None:
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
+        (tmp / "prefect-home").mkdir()
         server, api = prefect_server(tmp / "prefect-home")
         with server:
             server.wait()
