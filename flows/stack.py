@@ -50,6 +50,8 @@ class StackService(BaseModel):
                       "front before opening it: see the README)")
     prefect_port: int = Field(4200, ge=1, le=65535, description="port of the Prefect server")
     mlflow_port: int = Field(5000, ge=1, le=65535, description="port of the MLflow tracking server")
+    allowed_hosts: str | None = Field(None, description="host names clients reach the MLflow server by, when not "
+                                      "its address (MLflow's --allowed-hosts, comma-separated)")
 
 
 def as_postgres(cmd: list[str]) -> list[str]:
@@ -147,7 +149,8 @@ def serve_stack(s: StackService) -> int:
                                        "--port", str(s.prefect_port)], env=prefect_env))
         procs.append(start_supervised([sys.executable, "-m", "mlflow", "server", "--backend-store-uri", mlflow_db,
                                        "--serve-artifacts", "--artifacts-destination", str(data / "artifacts"),
-                                       "--host", s.host, "--port", str(s.mlflow_port), "--workers", "2"]))
+                                       "--host", s.host, "--port", str(s.mlflow_port), "--workers", "2",
+                                       *(["--allowed-hosts", s.allowed_hosts] if s.allowed_hosts else [])]))
         api, ui = f"http://{s.host}:{s.prefect_port}/api", f"http://{s.host}:{s.mlflow_port}"
         deadline = time.monotonic() + 180
         while not (healthy(api + "/health") and healthy(ui + "/health")):
