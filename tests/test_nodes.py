@@ -115,6 +115,29 @@ def test_an_unchanged_torchrun_script_runs_on_two_nodes_in_one_run(cluster, tmp_
     assert {"outputs", "logs", "nodes", "environment"} <= logged  # the other node's logs under nodes/
 
 
+def test_a_machine_whose_worker_is_gone_fails_the_run_by_its_start_deadline(cluster, tmp_path):
+    from prefect.client.orchestration import get_client
+
+    with cluster.client_settings(), get_client(sync_client=True) as client:
+        client.create_work_queue(name="node-c", work_pool_name=cluster.pool, concurrency_limit=1)
+        # a worker polled node-c once, then its machine went away: the queue still reads READY
+        client.get_scheduled_flow_runs_for_work_pool(cluster.pool, work_queue_names=["node-c"])
+    start = time.monotonic()
+    code, _, err = finished(gpuflow(cluster, tmp_path, *JOB, "--nodes", "3", "--cpu-processes", "1",
+                                    "--node-pool", cluster.pool, "--rdzv-timeout-s", "20"))
+    assert code == 1 and "gpuflow run: node node-c did not start within 20 s" in err, err[-3000:]
+    assert time.monotonic() - start < 120
+    with cluster.client_settings(), get_client(sync_client=True) as client:
+        client.delete_work_queue_by_id(client.read_work_queue_by_name("node-c", work_pool_name=cluster.pool).id)
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("gpuflow").experiment_id])
+    assert run.info.status == "FAILED"
+    deadline = time.monotonic() + 60  # the two live nodes were cancelled: nothing of theirs trains on
+    while (left := _ranks([p for n in cluster.nodes for p in n.pids()])) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert not left, left
+
+
 def test_a_node_killed_mid_run_fails_the_run_and_the_other_node_stops(cluster, tmp_path):
     proc = gpuflow(cluster, tmp_path, "--gpus", "cpu", "--cpu-processes", "1", "--nodes", "2",
                    "--node-pool", cluster.pool, "--dataset", "synthetic", "--synthetic-size", "20000",
