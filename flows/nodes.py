@@ -89,6 +89,9 @@ def place(params, stem: str, tags: dict, flow_name: str) -> dict:
         with tracked.tracked_run(params.tracking_uri, params.experiment, name, tags, None, params.runs_dir) as run:
             log.info("placing %d nodes of run %s on %s (max_restarts and launch_retries apply on one machine: "
                      "a node lost fails the run)", params.nodes, name, ", ".join(machines))
+            if params.tracking_uri.startswith("sqlite:"):
+                log.warning("every node logs into %s: each machine must reach that file (a shared filesystem); "
+                            "the team stack's tracking server needs none (gpuflow stack)", params.tracking_uri)
             children = {m: start_node(params, NodeJob(id=str(job), index=i, name=m, run_id=run.run_id), flow_name)
                         for i, m in enumerate(machines)}
             watch(children, params.rdzv_timeout_s)
