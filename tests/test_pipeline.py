@@ -215,7 +215,7 @@ def test_readme_main_command_on_a_fresh_copy_writes_a_finished_run(tmp_path):
     assert config["checkpoint_dir"] == str(clone / "runs" / runs[0].info.run_id / "checkpoints")
     for k, v in config.items():
         assert params[k] == (json.dumps(v) if isinstance(v, list) else str(v)), k
-    assert params["gpus"] == "auto" and params["world_size"] == "2" and params["nnodes"] == "1"
-    assert set(params) - set(config) == {"gpus", "world_size", "nnodes", "nproc_per_node", "backend",
+    assert params["gpus"] == "auto" and params["world_size"] == "2" and params["nnodes"] == "1" and params["nodes"] == "1"
+    assert set(params) - set(config) == {"gpus", "world_size", "nodes", "nnodes", "nproc_per_node", "backend",
                                          "min_free_mb", "skip_busy", "cpu_processes", "max_restarts",
                                          "launch_retries", "rdzv_timeout_s"}
