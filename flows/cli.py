@@ -2,6 +2,7 @@
 
     gpuflow run [--epochs 3 --gpus 3,2 --strategy dp ...]   the train pipeline flow
     gpuflow run --script train.py [--gpus 2] -- --lr 0.01   your own torchrun script (train-script flow)
+    gpuflow sweep --space sweep.yaml --trials 24            Optuna search, trials in parallel (sweep flow)
     gpuflow evaluate [--version champion --gpus 3,]         loss and metrics on a split
     gpuflow infer --inputs x.pt [--version 2 --gpus cpu]    predictions for a file of inputs
     gpuflow probe [--json]                                  GPUs, versions, backends
@@ -36,7 +37,7 @@ from gpuflow.training.refs import check_references
 from .api import STARTUP_TIMEOUT_DEFAULT_S, STARTUP_TIMEOUT_ENV, prefect_api
 from .calls import one_line, quiet_libraries
 
-from .params import EvaluateParams, InferParams, PipelineParams, ScriptParams, origin_is
+from .params import EvaluateParams, InferParams, PipelineParams, ScriptParams, SweepParams, origin_is
 from .settings import NodeService, Settings, server_command, ui_command
 from .stack import StackService
 
@@ -118,6 +119,9 @@ def parser(script: bool = False) -> argparse.ArgumentParser:
     if not script:
         run.add_argument("--script", metavar="SCRIPT.py", help="run your own torchrun script instead (see below)")
     add_model(run, ScriptParams if script else PipelineParams)
+    add_model(sub.add_parser("sweep", help="search a run's parameters with Optuna: parallel trials on separate "
+                             "cards, pruned early, one parent MLflow run, the best model proposed as challenger "
+                             "(the sweep flow)", **kw), SweepParams)
     add_model(sub.add_parser("evaluate", help="loss and metrics (accuracy, or your objective's) of a registered version on one device "
                              "(the evaluate-model flow)", **kw), EvaluateParams)
     add_model(sub.add_parser("infer", help="predictions of a registered version for a file of inputs, "
@@ -251,6 +255,10 @@ def load(command: str, model: type[BaseModel]) -> typing.Callable[[dict], dict]:
             return {k: out.get(k) for k in RUN_RESULT}
 
         return run
+    if command == "sweep":
+        from .sweep import sweep
+
+        return lambda values: sweep(**values)
     if command == "evaluate":
         from .infer import evaluate_model
 

@@ -20,7 +20,7 @@ from typing import Annotated, Any, Callable, Literal
 import annotated_types
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from gpuflow.tasks.devices.assign import DevicePlan, Devices, check_cores, one_device
+from gpuflow.tasks.devices.assign import DevicePlan, Devices, check_cores, explicit_ids, one_device
 from gpuflow.tasks.data import DatasetInfo
 from gpuflow.tasks.launch import Launch, Nodes, Placement
 from gpuflow.training.config import TrainConfig, Training
@@ -28,6 +28,7 @@ from gpuflow.training.contract import RunFolder
 from gpuflow.training.errors import UserError
 
 from .calls import entered
+from .space import SweepError, check_metric, check_space, read_space
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9 ._-]{0,99}")
 URI_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql", "http", "https", "file", "databricks")
@@ -225,6 +226,54 @@ class RetrainParams(PipelineParams):
 
     def pipeline(self) -> dict:
         return self.model_dump(include=set(PipelineParams.model_fields))
+
+
+def check_parallel(v: str) -> str:
+    v = str(v).strip()
+    if v != "auto" and not (v.isdigit() and int(v) >= 1):
+        raise ValueError(f"parallel={v!r}: use auto or a number of trials at a time, like 2")
+    return v
+
+
+class Sweep(BaseModel):
+    """The sweep part of its flow's parameters: what is searched, how, and where it is kept."""
+
+    space: Annotated[str, AfterValidator(check_file)] = Field(
+        description="YAML file: parameter (or model_args.<key>) -> {type: float|int|choice, low, high, log, "
+        "step, values}")
+    trials: int = Field(20, ge=1, le=100_000, description="trials to finish (a resumed sweep counts its earlier ones)")
+    parallel: Annotated[str, AfterValidator(check_parallel)] = Field(
+        "auto", description="trials at a time: auto (as many as free cards allow, or CPU slots without a GPU) or N")
+    gpus_per_trial: int = Field(1, ge=1, le=1024, description="cards per trial (each trial may be DDP)")
+    pruner: Literal["median", "none"] = Field("median", description="stop trials whose epoch score is worse than "
+                                              "the median of earlier trials at that epoch")
+    optimize: str = Field("auto", description="the validation metric to optimize, e.g. val_loss (auto: the "
+                          "objective's own monitor, val_accuracy for classification)")
+    direction: Literal["auto", "minimize", "maximize"] = Field("auto", description="auto: the objective's mode")
+    study: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$",
+                              description="study name; the same name resumes it (default: sweep-<model>-<dataset>)")
+    storage: str | None = Field(None, description="SQLAlchemy URL of the study (default: optuna.db beside the "
+                                "SQLite tracking store, else in the working folder)")
+    sampler_seed: int | None = Field(None, ge=0, description="seed of the TPE sampler")
+
+
+class SweepParams(Sweep, RetrainParams):
+    """The sweep flow: a search over a run's parameters, each trial a run."""
+
+    @model_validator(mode="after")
+    def _space_and_cards(self):
+        """The space and the trials' cards, checked before a server starts or a trial runs."""
+        if self.nodes > 1 or self.nnodes > 1:
+            raise ValueError("a sweep's trials each run on this machine; drop nodes/nnodes")
+        check_space(read_space(self.space), self.pipeline(), self.space, PipelineParams.model_validate,
+                    PipelineParams.model_fields)
+        check_metric(self.objective, self.optimize)
+        named = explicit_ids(self.gpus)
+        if named and self.parallel != "auto" and int(self.parallel) * self.gpus_per_trial > len(named):
+            raise SweepError(f"parallel={self.parallel} trials x gpus_per_trial={self.gpus_per_trial} need "
+                             f"{int(self.parallel) * self.gpus_per_trial} cards but gpus={self.gpus} names "
+                             f"{len(named)}; lower parallel or name more cards")
+        return self
 
 
 class EvaluateParams(BaseModel):

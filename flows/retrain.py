@@ -69,11 +69,17 @@ def retrain(params: RetrainParams) -> dict:
 
 def challenge(params: RetrainParams, uri: str) -> dict:
     """Train a challenger, evaluate it and the champion on the same data, promote the better."""
-    log = get_run_logger()
     trained = train_pipeline(**params.pipeline())
-    client = store.prepare_store(uri)
+    decision = compare_with_champion(params, store.prepare_store(uri), str(trained["model_version"]),
+                                     trained["run_id"], "retrain")
+    return {"run_id": trained["run_id"], **decision}
+
+
+def compare_with_champion(params: RetrainParams, client, challenger_v: str, run_id: str, flow: str) -> dict:
+    """Evaluate the challenger version and the champion on the same data and device, move the
+    alias to the challenger only if it is better; tag the run `<flow>.*` with the decision."""
+    log = get_run_logger()
     name = params.registered_model
-    challenger_v = str(trained["model_version"])
     champion_v = champion_version(client, name)
     # The evaluations use a device as training does: a slot of the host's limit, the card's lock.
     with device_slot():
@@ -89,20 +95,20 @@ def challenge(params: RetrainParams, uri: str) -> dict:
     if promoted:
         promote(client, name, challenger_v)
     decision = {
-        "retrain.decision": "promoted" if promoted else "kept champion",
-        "retrain.metric": metric,
-        "retrain.challenger_version": challenger_v,
-        "retrain.challenger_score": f"{challenger[metric]:.6f}",
-        "retrain.champion_version": champion_v or "none",
-        "retrain.champion_score": f"{champion[metric]:.6f}" if champion else "none",
+        f"{flow}.decision": "promoted" if promoted else "kept champion",
+        f"{flow}.metric": metric,
+        f"{flow}.challenger_version": challenger_v,
+        f"{flow}.challenger_score": f"{challenger[metric]:.6f}",
+        f"{flow}.champion_version": champion_v or "none",
+        f"{flow}.champion_score": f"{champion[metric]:.6f}" if champion else "none",
     }
     for k, v in decision.items():
-        client.set_tag(trained["run_id"], k, v)
+        client.set_tag(run_id, k, v)
     client.set_model_version_tag(name, challenger_v, OUTCOME_TAG, outcome(promoted, challenger, champion,
                                                                          metric, champion_v, mode))
-    create_markdown_artifact(key="retrain-decision", markdown=(
-        f"# Retrain: {decision['retrain.decision']}\n\n| | version | {metric} |\n|---|---|---|\n"
-        f"| challenger | {challenger_v} | {decision['retrain.challenger_score']} |\n"
-        f"| champion before | {decision['retrain.champion_version']} | {decision['retrain.champion_score']} |\n"))
-    log.info("retrain: %s", decision)
-    return {"run_id": trained["run_id"], "promoted": promoted, **decision}
+    create_markdown_artifact(key=f"{flow}-decision", markdown=(
+        f"# {flow.capitalize()}: {decision[f'{flow}.decision']}\n\n| | version | {metric} |\n|---|---|---|\n"
+        f"| challenger | {challenger_v} | {decision[f'{flow}.challenger_score']} |\n"
+        f"| champion before | {decision[f'{flow}.champion_version']} | {decision[f'{flow}.champion_score']} |\n"))
+    log.info("%s: %s", flow, decision)
+    return {"promoted": promoted, **decision}

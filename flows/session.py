@@ -59,11 +59,13 @@ class Session:
     name: str = ""  # the run's, once run() has started it
 
     @contextmanager
-    def run(self, name_stem: str, tags: dict, world_size: int, dataset: dict | None = None) -> Iterator[tracked.TrackedRun]:
-        """The session's MLflow run, named as its flow run, with the plan's tags and the environment
-        and plan artifacts; ended FINISHED, FAILED or KILLED whatever happens."""
+    def run(self, name_stem: str, tags: dict, world_size: int, dataset: dict | None = None,
+            name: str | None = None) -> Iterator[tracked.TrackedRun]:
+        """The session's MLflow run, named as its flow run (or `name`: a sweep's trial), with the
+        plan's tags and the environment and plan artifacts; ended FINISHED, FAILED or KILLED
+        whatever happens."""
         p = self.params
-        self.name = name = current_name(p.run_name, name_stem)
+        self.name = name = name or current_name(p.run_name, name_stem)
         with tracked.tracked_run(p.tracking_uri, p.experiment, name,
                                   {**run_tags(), **plan_tags(self.plan, world_size), **tags}, dataset,
                                   p.runs_dir) as run:

@@ -77,18 +77,19 @@ def pipeline(params: PipelineParams, s: Session) -> dict:
 
 
 def train(params: PipelineParams, s: Session, data: DatasetInfo, folder: RunFolder,
-          run: tracked.TrackedRun | None = None) -> dict:
+          run: tracked.TrackedRun | None = None, on_metrics=None, stop=None) -> dict:
     """Write the worker's config, record it as the run's params (a node other than 0 has no run and
-    logs nothing), launch, and relay rank 0's metrics."""
+    logs nothing), launch, and relay rank 0's metrics (each epoch's also to `on_metrics`; setting
+    `stop` stops the launch: a sweep's pruner)."""
     config = worker_config(params, s.plan, data, folder)
     launch = launch_training.with_options(retries=params.launch_retries, retry_condition_fn=retry_unless_it_repeats)
     if run is None:
         with s.timer("launch"):
             return launch(config.to_json(folder.config), s.plan, params, params, folder.root, hold_fds=s.cards)
     run.log_params(params.run_params(config, s.plan))
-    with s.timer("launch"), run.relaying_metrics():
+    with s.timer("launch"), run.relaying_metrics(on_metrics):
         return launch(config.to_json(folder.config), s.plan, params, params, folder.root, run.metrics_file,
-                      hold_fds=s.cards)
+                      hold_fds=s.cards, stop=stop)
 
 
 def describe_version(params: PipelineParams, plan: DevicePlan, result: dict, name: str) -> str:

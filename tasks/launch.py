@@ -121,6 +121,10 @@ class TrainingFailed(RuntimeError):
         self.deterministic = deterministic
 
 
+class Stopped(Exception):
+    """The flow stopped the launch before it ended (a sweep's pruned trial, a stopped sweep)."""
+
+
 def port_in_use(host: str, port: int) -> bool:
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -186,7 +190,8 @@ def _pump(stream, name: str, q: queue.Queue) -> None:
 
 
 def run_child(cmd: list[str], env: dict, cwd: Path, log: logging.Logger | logging.LoggerAdapter,
-              hold_fds: tuple[int, ...] = (), log_file: Path | None = None) -> tuple[int, list[str]]:
+              hold_fds: tuple[int, ...] = (), log_file: Path | None = None,
+              stop: threading.Event | None = None) -> tuple[int, list[str]]:
     """Run cmd, forwarding each output line to `log` (and `log_file`) as it arrives; returns
     (its exit code, its last lines).
 
@@ -194,7 +199,7 @@ def run_child(cmd: list[str], env: dict, cwd: Path, log: logging.Logger | loggin
     reaches this process, which stops it in order; when it ends, is stopped, or this process
     dies, nothing it started is left (SIGTERM, then SIGKILL after the grace period), whatever
     sessions its processes made and whatever signals they ignore; `hold_fds` (card locks)
-    stay open until then.
+    stay open until then. Setting `stop` stops it the same way and raises Stopped.
     """
     tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
     proc = start_supervised(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -210,7 +215,13 @@ def run_child(cmd: list[str], env: dict, cwd: Path, log: logging.Logger | loggin
     try:
         open_streams = 2
         while open_streams:
-            name, line = q.get()
+            try:
+                name, line = q.get(timeout=0.5)
+            except queue.Empty:
+                if stop is not None and stop.is_set():
+                    _terminate(proc)
+                    raise Stopped() from None
+                continue
             if line is None:
                 open_streams -= 1
                 continue
@@ -298,9 +309,9 @@ def child_environment(plan: DevicePlan, metrics_file: Path | None = None) -> dic
 
 def launch(config: Path, plan: DevicePlan, opts: Launch, nodes: Nodes, workdir: Path, log,
            metrics_file: Path | None = None, hold_fds: tuple[int, ...] = (), attempt: int = 1,
-           rdzv: Rendezvous | None = None) -> dict:
+           rdzv: Rendezvous | None = None, stop: threading.Event | None = None) -> dict:
     """Run the worker for `config` with the plan's devices; its results JSON (empty metrics on a
-    node whose ranks do not include global rank 0)."""
+    node whose ranks do not include global rank 0; `stopped` when `stop` was set)."""
     check_rendezvous(nodes)
     folder = RunFolder(workdir)
     result = folder.result
@@ -310,7 +321,11 @@ def launch(config: Path, plan: DevicePlan, opts: Launch, nodes: Nodes, workdir: 
     env = child_environment(plan, metrics_file) | {LAUNCH_ATTEMPT_ENV: str(attempt), **error_folder(workdir)}
     if rdzv:
         env |= rdzv.environ()
-    code, tail = run_child(cmd, env, workdir, log, hold_fds, log_file=folder.log("worker.log"))
+    try:
+        code, tail = run_child(cmd, env, workdir, log, hold_fds, log_file=folder.log("worker.log"), stop=stop)
+    except Stopped:
+        log.info("training stopped by the flow")
+        return {"stopped": True, "final_metrics": {}}
     if code != 0:
         raise failure("training", code, workdir, tail, "worker.log")
     if not result.is_file():
@@ -323,13 +338,13 @@ def launch(config: Path, plan: DevicePlan, opts: Launch, nodes: Nodes, workdir: 
 @task(name="launch-training", retries=0, cache_policy=NO_CACHE)
 def launch_training(config: Path, plan: DevicePlan, opts: Launch, nodes: Nodes, workdir: Path,
                     metrics_file: Path | None = None, hold_fds: tuple[int, ...] = (),
-                    rdzv: Rendezvous | None = None) -> dict:
+                    rdzv: Rendezvous | None = None, stop: threading.Event | None = None) -> dict:
     """Run the worker with the plan's devices; stream its output; return its results JSON."""
     from prefect import get_run_logger
     from prefect.runtime import task_run
 
     return launch(config, plan, opts, nodes, workdir, get_run_logger(), metrics_file, hold_fds, task_run.run_count,
-                  rdzv)
+                  rdzv, stop)
 
 
 def script_environment(plan: DevicePlan, run, tracking_uri: str) -> dict:
@@ -352,7 +367,8 @@ def script_environment(plan: DevicePlan, run, tracking_uri: str) -> dict:
 
 @task(name="launch-script", retries=0, cache_policy=NO_CACHE)
 def launch_script(script: str, script_args: list[str], opts: Launch, tracking_uri: str, plan: DevicePlan,
-                  run, hold_fds: tuple[int, ...] = (), rdzv: Rendezvous | None = None) -> None:
+                  run, hold_fds: tuple[int, ...] = (), rdzv: Rendezvous | None = None,
+                  stop: threading.Event | None = None) -> None:
     """Run the user's script under torchrun, always (one process per device), from the folder
     gpuflow runs in, in the MLflow run `run`; stream its output to the flow's log and logs/script.log."""
     from prefect import get_run_logger
@@ -371,7 +387,7 @@ def launch_script(script: str, script_args: list[str], opts: Launch, tracking_ur
     folder.process_group.unlink(missing_ok=True)  # rank 0 writes it afresh when the script ends well
     env |= {**error_folder(folder.root), DIST_TIMEOUT_ENV: str(opts.dist_timeout_s),
             PROCESS_GROUP_FILE_ENV: str(folder.process_group), **(rdzv.environ() if rdzv else {})}
-    code, tail = run_child(cmd, env, Path.cwd(), log, hold_fds, log_file=folder.log("script.log"))
+    code, tail = run_child(cmd, env, Path.cwd(), log, hold_fds, log_file=folder.log("script.log"), stop=stop)
     if code != 0:
         raise failure(Path(script).name, code, folder.root, tail, "script.log")
 

@@ -131,9 +131,10 @@ def register_model(run: TrackedRun, result: dict, registered_name: str, code_roo
 
 
 @task(name="log-results", cache_policy=NO_CACHE)
-def log_results(run: TrackedRun, result: dict, registered_name: str, code_root: str | None,
-                description: str) -> str:
-    """Log checkpoint, result, worker logs and the registered model; returns the version.
+def log_results(run: TrackedRun, result: dict, registered_name: str | None, code_root: str | None,
+                description: str) -> str | None:
+    """Log checkpoint, result, worker logs and the registered model; returns the version (none
+    without a name: a sweep registers its best trial's alone).
 
     No curves image: the MLflow UI charts the per-epoch metrics the relay logged, live."""
     client, run_id = run.client, run.run_id
@@ -145,4 +146,4 @@ def log_results(run: TrackedRun, result: dict, registered_name: str, code_root: 
     if folder.logs.is_dir():
         client.log_artifacts(run_id, str(folder.logs), "worker-logs")
     client.log_artifact(run_id, str(folder.config), "training")
-    return register_model(run, result, registered_name, code_root, description)
+    return register_model(run, result, registered_name, code_root, description) if registered_name else None

@@ -18,7 +18,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import mlflow
 from mlflow.entities import Metric
@@ -35,10 +35,12 @@ def status_for(exc: BaseException | None) -> str:
     """FINISHED without an error; KILLED for a stop from outside (signal, cancel); else FAILED."""
     from prefect.exceptions import Abort, TerminationSignal
 
+    from gpuflow.tasks.launch import Stopped
+
     if exc is None:
         return "FINISHED"
     stops = (KeyboardInterrupt, SystemExit, TerminationSignal, Abort, asyncio.CancelledError,
-             concurrent.futures.CancelledError)
+             concurrent.futures.CancelledError, Stopped)
     return "KILLED" if isinstance(exc, stops) else "FAILED"
 
 
@@ -80,13 +82,16 @@ class MetricsRelay(threading.Thread):
 
     Complete lines only, one synchronous log_batch each; polls every `interval` seconds and
     reads the file to its end once more when stopped, so no epoch written before is lost.
+    `on_metrics(step, metrics)` sees each line once it is logged (a sweep's pruner).
     """
 
-    def __init__(self, client: MlflowClient, run_id: str, path: Path, interval: float = 0.5):
+    def __init__(self, client: MlflowClient, run_id: str, path: Path, interval: float = 0.5,
+                 on_metrics: Callable[[int, dict], None] | None = None):
         super().__init__(name="gpuflow-metrics-relay", daemon=True)
         self.client, self.run_id, self.path, self.interval = client, run_id, path, interval
         self.offset = path.stat().st_size if path.exists() else 0  # this run's lines only
         self.logged = 0
+        self.on_metrics = on_metrics
         self._halt = threading.Event()
 
     def run(self) -> None:
@@ -114,6 +119,9 @@ class MetricsRelay(threading.Thread):
             except Exception as e:  # noqa: BLE001 - one bad line must not lose the others
                 print(f"gpuflow: could not log metrics line {line[:200]!r}: {type(e).__name__}: {e}",
                       flush=True)
+                continue
+            if self.on_metrics is not None:
+                self.on_metrics(step, metrics)
 
     def finish(self) -> int:
         """Stop after logging everything in the file now; returns the lines logged."""
@@ -154,9 +162,9 @@ class TrackedRun:
             self.client.log_artifact(self.run_id, str(p), folder)
 
     @contextmanager
-    def relaying_metrics(self) -> Iterator[MetricsRelay]:
+    def relaying_metrics(self, on_metrics: Callable[[int, dict], None] | None = None) -> Iterator[MetricsRelay]:
         """Relay rank 0's metrics file to the run for the duration of the block."""
-        relay = MetricsRelay(self.client, self.run_id, self.metrics_file)
+        relay = MetricsRelay(self.client, self.run_id, self.metrics_file, on_metrics=on_metrics)
         relay.start()
         try:
             yield relay
@@ -166,18 +174,21 @@ class TrackedRun:
 
 @contextmanager
 def tracked_run(uri: str, experiment: str, run_name: str, tags: dict, dataset: dict | None,
-                runs_dir: str | Path, system_metrics_interval: float = 2.0) -> Iterator[TrackedRun]:
+                runs_dir: str | Path, system_metrics_interval: float = 2.0,
+                resume: str | None = None) -> Iterator[TrackedRun]:
     """One MLflow run around the block, ended FINISHED, FAILED or KILLED whatever happens.
 
     The run's folder is `<runs_dir>/<run id>`. Before starting, runs of this host left
-    RUNNING by a process that is gone are marked KILLED.
+    RUNNING by a process that is gone are marked KILLED. `resume`: an ended run's id, to
+    continue (a sweep started again).
     """
     client = prepare_store(uri)
     reap_orphaned_runs(client)
     exp_id = ensure_experiment(client, experiment)
     mlflow.set_system_metrics_sampling_interval(system_metrics_interval)
     all_tags = {**{k: str(v) for k, v in tags.items() if v is not None}, **owner_tags()}
-    run = mlflow.start_run(experiment_id=exp_id, run_name=run_name, tags=all_tags, log_system_metrics=True)
+    run = mlflow.start_run(run_id=resume, experiment_id=None if resume else exp_id, run_name=run_name,
+                           tags=all_tags, log_system_metrics=True)
     status, error = "FINISHED", None
     try:
         if dataset:  # a user's script reads its own data

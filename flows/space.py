@@ -1,0 +1,126 @@
+"""A sweep's search space: the YAML file that names run parameters (and `model_args.<key>`) with
+their distributions, read and checked before any trial starts (flows/sweep.py samples it)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Iterable, Literal
+
+import yaml
+from pydantic import BaseModel, ValidationError, model_validator
+
+from gpuflow.training.config import Training
+from gpuflow.training.errors import UserError
+
+from .calls import one_line
+
+
+class SweepError(UserError):
+    """A space, objective or parallelism the sweep cannot run; the message names the value."""
+
+
+class Distribution(BaseModel):
+    """One parameter's distribution: float or int in [low, high] (log-scaled with log), or a choice."""
+
+    type: Literal["float", "int", "choice", "loguniform"]
+    low: float | None = None
+    high: float | None = None
+    step: float | None = None
+    log: bool = False
+    values: list[Any] | None = None
+
+    @model_validator(mode="after")
+    def _range(self):
+        if self.type == "loguniform":
+            self.type, self.log = "float", True
+        if self.type == "choice":
+            if not self.values:
+                raise ValueError("a choice needs a non-empty `values` list")
+            return self
+        if self.low is None or self.high is None:
+            raise ValueError(f"a {self.type} range needs `low` and `high`")
+        if self.low >= self.high:
+            raise ValueError(f"the range [{self.low}, {self.high}] is empty or inverted; use low < high")
+        if self.log and self.low <= 0:
+            raise ValueError(f"a log-scaled range needs low > 0, got {self.low}")
+        if self.type == "int" and not (float(self.low).is_integer() and float(self.high).is_integer()):
+            raise ValueError(f"an int range needs whole bounds, got [{self.low}, {self.high}]")
+        return self
+
+    def suggest(self, trial, name: str):
+        if self.type == "choice":
+            return trial.suggest_categorical(name, self.values)
+        if self.type == "int":
+            return trial.suggest_int(name, int(self.low), int(self.high), step=int(self.step or 1), log=self.log)
+        return trial.suggest_float(name, self.low, self.high, step=self.step, log=self.log)
+
+    def examples(self) -> list:
+        """The values that bound what this distribution can give (checked against the parameter)."""
+        if self.type == "choice":
+            return list(self.values)
+        return [int(self.low), int(self.high)] if self.type == "int" else [self.low, self.high]
+
+
+SWEEPABLE = sorted(set(Training.model_fields) - {"resume", "data_root", "download"})
+
+
+def read_space(path: str) -> dict[str, Distribution]:
+    """The space file (YAML or JSON), each distribution checked on its own."""
+    try:
+        raw = yaml.safe_load(Path(path).read_text())
+    except yaml.YAMLError as e:
+        raise SweepError(f"space={path}: not YAML ({one_line(e)})") from None
+    if not isinstance(raw, dict) or not raw:
+        raise SweepError(f"space={path} must map parameter names to distributions, e.g. "
+                         "`lr: {type: float, low: 1.0e-4, high: 0.1, log: true}`")
+    space = {}
+    for name, spec in raw.items():
+        try:
+            space[str(name)] = Distribution.model_validate(spec)
+        except ValidationError as e:
+            raise SweepError(f"space={path}: {name}: {one_line(e)}") from None
+    return space
+
+
+def with_values(base: dict, values: dict) -> dict:
+    """The run's parameters with a trial's values (`model_args.<key>` goes into model_args)."""
+    out = {**base, "model_args": dict(base.get("model_args") or {})}
+    for name, v in values.items():
+        if name.startswith("model_args."):
+            out["model_args"][name.split(".", 1)[1]] = v
+        else:
+            out[name] = v
+    return out
+
+
+def check_space(space: dict[str, Distribution], base: dict, path: str, validate: Callable[[dict], Any],
+                all_fields: Iterable[str]) -> None:
+    """Every name a parameter a trial may set, every distribution one it can take, every bound
+    a value the run accepts (`validate` builds a run's parameters): refused before any trial starts."""
+    for name, dist in space.items():
+        field_name = "model_args" if name.startswith("model_args.") else name
+        if field_name not in SWEEPABLE:
+            hint = "; gpuflow sets the devices, tracking and placement of each trial" if name in all_fields else ""
+            raise SweepError(f"space={path}: {name!r} is not a parameter a trial can set{hint}; use "
+                             f"{', '.join(SWEEPABLE)} or model_args.<key>")
+        annotation = Training.model_fields[field_name].annotation
+        if dist.type == "float" and annotation is int:
+            raise SweepError(f"space={path}: {name} takes whole numbers but the space gives it a float "
+                             f"distribution; use type: int")
+        for v in dist.examples():
+            try:
+                validate(with_values(base, {name: v}))
+            except ValidationError as e:
+                raise SweepError(f"space={path}: {name}={v!r} is not a value a run accepts: {one_line(e)}") from None
+
+
+KNOWN_METRICS = {"classification": {"val_loss", "val_accuracy", "train_loss"},
+                 "model-loss": {"val_loss", "train_loss"}}
+
+
+def check_metric(objective: str, metric: str) -> None:
+    """A built-in objective's metrics are known; a user objective's are checked at its first epoch."""
+    known = KNOWN_METRICS.get(objective)
+    if known is not None and metric != "auto" and metric not in known:
+        raise SweepError(f"optimize={metric!r}: objective {objective!r} reports no such metric; "
+                         f"use auto or one of {', '.join(sorted(known))}")
