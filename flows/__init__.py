@@ -19,7 +19,7 @@ Imported on first use: `import gpuflow.flows` alone imports neither Prefect nor 
 from importlib import import_module
 
 PUBLIC = {"train_pipeline": ".train", "train_script": ".script", "retrain": ".retrain",
-          "evaluate_model": ".infer", "prefect_api": ".api", "InvalidParameters": ".calls"}
+          "evaluate_model": ".infer", "sweep": ".sweep", "prefect_api": ".api", "InvalidParameters": ".calls"}
 __all__ = list(PUBLIC)
 
 

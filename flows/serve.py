@@ -31,6 +31,7 @@ from .nodes import train_node
 from .retrain import retrain
 from .script import script_node, train_script
 from .settings import NodeService, Settings
+from .sweep import sweep
 from .train import train_pipeline
 
 
@@ -50,6 +51,8 @@ def deployments(settings: Settings | None = None) -> list:
                                      description="Loss and metrics of a registered version on one device."),
         train_script.to_deployment(name="default", **common,
                                    description="Your own torchrun script (-p script=train.py -p script_args=[...])."),
+        sweep.to_deployment(name="default", **common,
+                            description="An Optuna search over a run's parameters (-p space=sweep.yaml -p trials=24)."),
     ]
 
 
