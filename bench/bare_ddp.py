@@ -6,8 +6,10 @@
 Same model (SimpleNN by default; `--model cnn|resnet18` builds gpuflow's architecture), same
 in-memory data and global batch as gpuflow's worker; data goes through TensorDataset +
 DataLoader + DistributedSampler as hand-written scripts do, DDP over gloo. Prints one JSON
-line per epoch with samples/s, so the benchmark reads both the same way. The GPU reference,
-with the data held on the device, is bench/bare_gpu.py.
+line per epoch with samples/s, so the benchmark reads both the same way. `--lr`/`--optimizer`
+set the optimizer as gpuflow's (sgd: momentum 0.9); `--val` prints a last JSON line with the
+validation accuracy (bench/sweep.py's trials). The GPU reference, with the data held on the
+device, is bench/bare_gpu.py.
 """
 
 import argparse
@@ -48,6 +50,9 @@ def parse_args():
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--model", default="mlp", help="mlp (the seeds' SimpleNN), cnn or resnet18")
+    p.add_argument("--lr", type=float, default=0.001)
+    p.add_argument("--optimizer", choices=["adam", "sgd"], default="adam", help="sgd: momentum 0.9, as gpuflow's")
+    p.add_argument("--val", action="store_true", help="print {\"val_accuracy\": ...} after the last epoch")
     return p.parse_args()
 
 
@@ -60,7 +65,16 @@ def main():
     dataset = TensorDataset(bundle.train.x, bundle.train.y)
     model = SimpleNN() if args.model == "mlp" else build_model(args.model, bundle.num_classes,
                                                                 tuple(bundle.train.x.shape[1:]))
-    train(model, dataset, args.epochs, args.batch_size, ddp, rank, world)
+    train(model, dataset, args.epochs, args.batch_size, ddp, rank, world, args.lr, args.optimizer)
+    if args.val and rank == 0:
+        print(json.dumps({"val_accuracy": accuracy(model, bundle.val)}), flush=True)
+
+
+def accuracy(model: nn.Module, val) -> float:
+    """Share of the held-out split (gpuflow's val_fraction and split_seed) classified right."""
+    model.eval()
+    with torch.no_grad():
+        return (model(val.x).argmax(1) == val.y).float().mean().item()
 
 
 def start() -> tuple[bool, int, int]:
@@ -71,14 +85,16 @@ def start() -> tuple[bool, int, int]:
     return (ddp, dist.get_rank(), dist.get_world_size()) if ddp else (False, 0, 1)
 
 
-def train(model: nn.Module, dataset, epochs: int, batch_size: int, ddp: bool, rank: int, world: int) -> None:
+def train(model: nn.Module, dataset, epochs: int, batch_size: int, ddp: bool, rank: int, world: int,
+          lr: float = 0.001, optimizer_name: str = "adam") -> None:
     """The seeds' loop: DistributedSampler + DataLoader, DDP, Adam, cross-entropy; one JSON line
     per epoch on rank 0; then leaves the group."""
     sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=42)
     loader = DataLoader(dataset, batch_size=batch_size // world, sampler=sampler)
     model = DDP(model) if ddp else model
     criterion = nn.CrossEntropyLoss()
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.001)
+    optimizer = (torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9) if optimizer_name == "sgd"
+                 else torch.optim.Adam(model.parameters(), lr=lr))
     for epoch in range(epochs):
         sampler.set_epoch(epoch)
         start_s, seen = time.perf_counter(), 0

@@ -28,7 +28,7 @@ from gpuflow.training.contract import RunFolder
 from gpuflow.training.errors import UserError
 
 from .calls import entered
-from .space import SweepError, check_metric, check_space, read_space
+from .space import SweepError, check_metric, check_script_space, check_space, read_space, script_arguments
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9 ._-]{0,99}")
 URI_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql", "http", "https", "file", "databricks")
@@ -183,19 +183,25 @@ def check_collect(patterns: list[str]) -> list[str]:
     return patterns
 
 
+ScriptFile = Annotated[str, AfterValidator(check_script)]
+ScriptArgs = Annotated[list[str], Field(
+    description="the script's own arguments (on the command line: everything after --); in a sweep, {name} "
+    "in them is replaced by the trial's value of name, and a name without a placeholder is appended as "
+    "--name=value", json_schema_extra={"cli": "rest"})]
+Collect = Annotated[list[str], AfterValidator(check_collect), Field(description=(
+    "glob patterns, relative to the working folder and staying inside it, of files the script writes "
+    "outside GPUFLOW_OUTPUT_DIR to log as artifacts (e.g. [\"snapshot.pt\"]); the newest state dict "
+    "among them is the run's checkpoint"))]
+
+
 class ScriptParams(Tracking, Placement, Launch, Devices):
     """The train-script flow: your own torchrun script on the assigned devices, in one MLflow run."""
 
     model_config = ConfigDict(extra="forbid")
 
-    script: Annotated[str, AfterValidator(check_script)] = Field(
-        description="your training script (.py), run by torchrun from the folder gpuflow runs in")
-    script_args: list[str] = Field([], description="the script's own arguments (on the command line: "
-                                   "everything after --)", json_schema_extra={"cli": "rest"})
-    collect: Annotated[list[str], AfterValidator(check_collect)] = Field([], description=(
-        "glob patterns, relative to the working folder and staying inside it, of files the script writes "
-        "outside GPUFLOW_OUTPUT_DIR to log as artifacts (e.g. [\"snapshot.pt\"]); the newest state dict "
-        "among them is the run's checkpoint"))
+    script: ScriptFile = Field(description="your training script (.py), run by torchrun from the folder gpuflow runs in")
+    script_args: ScriptArgs = []
+    collect: Collect = []
     strategy: Literal["auto", "single", "ddp"] = Field(  # type: ignore[assignment]
         "auto", description="auto: one process per device; the script wraps its model itself (DDP or none)")
 
@@ -238,6 +244,12 @@ def check_parallel(v: str) -> str:
 class Sweep(BaseModel):
     """The sweep part of its flow's parameters: what is searched, how, and where it is kept."""
 
+    script: ScriptFile | None = Field(None, description="your torchrun script: each trial runs it with its "
+                                      "values as arguments (see script_args); the training options (model, "
+                                      "dataset, lr, ...) are then not used")
+    script_args: ScriptArgs = []
+    collect: Collect = []
+
     space: Annotated[str, AfterValidator(check_file)] = Field(
         description="YAML file: parameter (or model_args.<key>) -> {type: float|int|choice, low, high, log, "
         "step, values}")
@@ -265,15 +277,27 @@ class SweepParams(Sweep, RetrainParams):
         """The space and the trials' cards, checked before a server starts or a trial runs."""
         if self.nodes > 1 or self.nnodes > 1:
             raise ValueError("a sweep's trials each run on this machine; drop nodes/nnodes")
-        check_space(read_space(self.space), self.pipeline(), self.space, PipelineParams.model_validate,
-                    PipelineParams.model_fields)
-        check_metric(self.objective, self.optimize)
+        if self.script:
+            check_script_space(read_space(self.space), self.script_args, self.space)
+            if self.optimize == "auto":
+                raise SweepError("a script's sweep needs optimize=<the metric your script logs>, e.g. "
+                                 "--optimize val_accuracy (with helper.report or mlflow.log_metric)")
+            ScriptParams.model_validate(self.script_params({}))
+        else:
+            check_space(read_space(self.space), self.pipeline(), self.space, PipelineParams.model_validate,
+                        PipelineParams.model_fields)
+            check_metric(self.objective, self.optimize)
         named = explicit_ids(self.gpus)
         if named and self.parallel != "auto" and int(self.parallel) * self.gpus_per_trial > len(named):
             raise SweepError(f"parallel={self.parallel} trials x gpus_per_trial={self.gpus_per_trial} need "
                              f"{int(self.parallel) * self.gpus_per_trial} cards but gpus={self.gpus} names "
                              f"{len(named)}; lower parallel or name more cards")
         return self
+
+    def script_params(self, values: dict) -> dict:
+        """A script trial's parameters: the run's, with the trial's values in the script's arguments."""
+        return self.model_dump(include=set(ScriptParams.model_fields)) | {
+            "script_args": script_arguments(self.script_args, values)}
 
 
 class EvaluateParams(BaseModel):

@@ -57,12 +57,15 @@ def train_script(params: ScriptParams) -> dict:
             "world_size": s.plan.nproc_per_node, **outputs}
 
 
-def run_script(params: ScriptParams, s: Session, run: tracked.TrackedRun, rdzv: Rendezvous | None = None) -> dict:
-    """Launch the script, relaying its metrics; then (failed too) log its files and logs."""
+def run_script(params: ScriptParams, s: Session, run: tracked.TrackedRun, rdzv: Rendezvous | None = None,
+               stop=None) -> dict:
+    """Launch the script, relaying its metrics; then (failed too) log its files and logs. Setting
+    `stop` (a threading.Event: a sweep's pruner) stops it: Stopped is raised."""
     launched = time.time()  # collected files older than this were not written by the script
     try:
         with run.relaying_metrics():
-            launch_script(params.script, params.script_args, params, params.tracking_uri, s.plan, run, s.cards, rdzv)
+            launch_script(params.script, params.script_args, params, params.tracking_uri, s.plan, run, s.cards, rdzv,
+                          stop)
     except TrainingFailed:  # the failed script's files and logs are kept in the run too
         collect_outputs(run, params.collect, launched)
         raise

@@ -3,6 +3,7 @@ their distributions, read and checked before any trial starts (flows/sweep.py sa
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Callable, Iterable, Literal
 
@@ -124,3 +125,28 @@ def check_metric(objective: str, metric: str) -> None:
     if known is not None and metric != "auto" and metric not in known:
         raise SweepError(f"optimize={metric!r}: objective {objective!r} reports no such metric; "
                          f"use auto or one of {', '.join(sorted(known))}")
+
+
+PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_.-]*)\}")
+
+
+def script_arguments(args: list[str], values: dict) -> list[str]:
+    """A script trial's arguments: each `{name}` replaced by the trial's value of name; a name with
+    no placeholder appended as `--name=value`."""
+    used = {m for a in args for m in PLACEHOLDER.findall(a)}
+    out = [PLACEHOLDER.sub(lambda m: str(values.get(m.group(1), m.group(0))), a) for a in args]
+    return out + [f"--{n}={v}" for n, v in values.items() if n not in used]
+
+
+def check_script_space(space: dict[str, Distribution], args: list[str], path: str) -> None:
+    """A script's space names the script's own arguments: any name an option can have; every
+    placeholder in its arguments must be one of them."""
+    for name in space:
+        if not PLACEHOLDER.fullmatch("{" + name + "}"):
+            raise SweepError(f"space={path}: {name!r} cannot name a script argument; use letters, digits, "
+                             "'_', '-' or '.', starting with a letter or '_'")
+    for a in args:
+        for name in PLACEHOLDER.findall(a):
+            if name not in space:
+                raise SweepError(f"script_args: {{{name}}} in {a!r} is not in space={path}; add {name} to "
+                                 f"the space or remove the placeholder (the space names {', '.join(space)})")

@@ -13,6 +13,12 @@ The space file names run parameters (and `model_args.<key>`) with their distribu
     optimizer: {type: choice, values: [adam, sgd]}
     model_args.hidden: {type: int, low: 32, high: 512, log: true}
 
+A user's script sweeps too: `gpuflow sweep --script train.py --space s.yaml --optimize val_loss --
+--lr {lr}`. Each trial runs it as train-script does, `{name}` in its arguments replaced by the
+trial's value (a name without a placeholder is appended as `--name=value`); the metric it logs
+(helper.report, or its own mlflow.log_metric on rank 0) is read from the run as it arrives, and a
+pruned trial's ranks are stopped by the flow: the script needs no Optuna code.
+
 The study is kept in `storage` (default: optuna.db beside the SQLite tracking store), so a
 sweep stopped by Ctrl-C or a crash continues when started again with the same `study`: its
 finished trials are not run again and a trial cut off is marked failed.
@@ -25,6 +31,7 @@ import os
 import socket
 import threading
 import time
+import warnings
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from contextvars import copy_context
@@ -43,7 +50,7 @@ from gpuflow.training.contract import RunFolder
 from gpuflow.training.errors import UserError
 
 from .calls import one_line
-from .params import PipelineParams, SweepParams, flat_parameters
+from .params import PipelineParams, ScriptParams, SweepParams, flat_parameters
 from .space import Distribution, SweepError, read_space, with_values
 from .prepared import prepared
 from .retrain import compare_with_champion
@@ -55,7 +62,14 @@ HEARTBEAT_S = 10  # a RUNNING trial whose heartbeat is older than twice this is 
 
 
 def study_name(params: SweepParams) -> str:
-    return params.study or f"sweep-{dataset_label(params.model)}-{dataset_label(params.dataset)}"
+    return params.study or default_study(params.model_dump())
+
+
+def default_study(p: dict) -> str:
+    """sweep-<script> for a script's sweep, else sweep-<model>-<dataset>."""
+    if p.get("script"):
+        return f"sweep-{Path(p['script']).stem}"
+    return f"sweep-{dataset_label(p.get('model', 'mlp'))}-{dataset_label(p.get('dataset', 'digits'))}"
 
 
 def storage_url(params: SweepParams) -> str:
@@ -69,6 +83,9 @@ def storage_url(params: SweepParams) -> str:
 
 def objective_target(params: SweepParams) -> tuple[str, str]:
     """(the metric the trials report and the sweep optimizes, minimize or maximize)."""
+    if params.script:  # the script's own metric (required); its direction by name unless given
+        guess = "minimize" if "loss" in params.optimize else "maximize"
+        return params.optimize, guess if params.direction == "auto" else params.direction
     monitor, mode = {"classification": ("accuracy", "max"), "model-loss": ("loss", "min")}.get(
         params.objective, (None, None))
     if monitor is None:  # the user's own objective: its monitor and mode (user code, as in preflight)
@@ -167,6 +184,9 @@ def open_study(params: SweepParams, direction: str):
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    # heartbeats are what makes a crashed sweep's trials fail (not leave zombies): used on purpose
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
     url = storage_url(params)
     kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
     storage = optuna.storages.RDBStorage(url, engine_kwargs=kwargs, heartbeat_interval=HEARTBEAT_S)
@@ -219,14 +239,13 @@ class Trial:
     run_id: str | None = None
 
 
-def run_trial(t: Trial, params: SweepParams, parent_id: str, metric: str, study_name: str) -> float:
-    """One trial as one run of the training session, nested under the sweep's run; its per-epoch
-    metric reported to the pruner as the relay logs it. Returns the metric's final value, or None
-    when pruned (its run FINISHED, tagged sweep.pruned); a trial stopped with its sweep is KILLED."""
-    number = t.trial.number
-    trial_params = PipelineParams.model_validate(with_values(params.pipeline(), t.values) | {
-        "gpus": t.slot.gpus, "cpu_processes": t.slot.processes,
-        "run_name": f"{study_name}-t{number}"})
+def trial_tags(t: Trial, parent_id: str, study_name: str) -> dict:
+    return {"mlflow.parentRunId": parent_id, "sweep.study": study_name, "sweep.trial": t.trial.number,
+            "sweep.slot": t.slot.label}
+
+
+def reporter(t: Trial, params: SweepParams, metric: str):
+    """The trial's per-epoch report to Optuna: pruned (its launch stopped) when the pruner says so."""
 
     def report(step: int, metrics: dict) -> None:
         if metric not in metrics:
@@ -238,8 +257,21 @@ def run_trial(t: Trial, params: SweepParams, parent_id: str, metric: str, study_
             t.pruned_at = step
             t.stop.set()
 
-    tags = {"mlflow.parentRunId": parent_id, "sweep.study": study_name, "sweep.trial": number,
-            "sweep.slot": t.slot.label, "dataset": trial_params.dataset, "model": trial_params.model}
+    return report
+
+
+def run_trial(t: Trial, params: SweepParams, parent_id: str, metric: str, study_name: str) -> float:
+    """One trial as one run of the training session, nested under the sweep's run; its per-epoch
+    metric reported to the pruner as the relay logs it. Returns the metric's final value, or None
+    when pruned (its run FINISHED, tagged sweep.pruned); a trial stopped with its sweep is KILLED."""
+    if params.script:
+        return run_script_trial(t, params, parent_id, metric, study_name)
+    number = t.trial.number
+    trial_params = PipelineParams.model_validate(with_values(params.pipeline(), t.values) | {
+        "gpus": t.slot.gpus, "cpu_processes": t.slot.processes,
+        "run_name": f"{study_name}-t{number}"})
+    report = reporter(t, params, metric)
+    tags = trial_tags(t, parent_id, study_name) | {"dataset": trial_params.dataset, "model": trial_params.model}
     with training_session(trial_params, trial_params.batch_size, trial_params.precision) as s:
         data = prepared(trial_params, s)
         with s.run("trial", tags, trial_params.world_size(s.plan), data.model_dump(mode="json"),
@@ -262,12 +294,67 @@ def run_trial(t: Trial, params: SweepParams, parent_id: str, metric: str, study_
     return float(value)
 
 
+def run_script_trial(t: Trial, params: SweepParams, parent_id: str, metric: str, study_name: str) -> float:
+    """A script's trial: the script run as train-script runs it, with the trial's values in its
+    arguments; the metric it logs (helper.report or its own mlflow.log_metric) read from the run
+    as it arrives, for the pruner, which stops its ranks itself. Its outputs (checkpoint, declared
+    model) are kept in the run folder's result file, for registering the best."""
+    from .script import run_script
+
+    trial_params = ScriptParams.model_validate(params.script_params(t.values) | {
+        "gpus": t.slot.gpus, "cpu_processes": t.slot.processes, "run_name": f"{study_name}-t{t.trial.number}"})
+    tags = trial_tags(t, parent_id, study_name) | {"script": trial_params.script}
+    with training_session(trial_params) as s, \
+            s.run(Path(trial_params.script).stem, tags, s.plan.nproc_per_node, name=trial_params.run_name) as run:
+        t.run_id = run.run_id
+        t.trial.set_user_attr("mlflow_run_id", run.run_id)
+        run.log_params(trial_params.run_params(s.plan))
+        try:
+            with watching(run, metric, reporter(t, params, metric)):
+                outputs = run_script(trial_params, s, run, stop=t.stop)
+        except Stopped:
+            if t.pruned_at is None:
+                raise
+            run.client.set_tag(run.run_id, "sweep.pruned", f"after epoch {t.pruned_at}")
+            return None
+        RunFolder(run.workdir).result.write_text(json.dumps(outputs))
+        logged = run.client.get_run(run.run_id).data.metrics
+    if metric not in logged:
+        raise SweepError(f"optimize={metric!r}: the script logged no such metric (it logged "
+                         f"{', '.join(sorted(logged)) or 'none'}); report it with helper.report or "
+                         "mlflow.log_metric, or optimize one of those")
+    return float(logged[metric])
+
+
+@contextmanager
+def watching(run: tracked.TrackedRun, metric: str, report, interval: float = 1.0):
+    """Read `metric`'s values from the run while the block runs (whoever logs them: the relay or
+    the script itself) and give each new one to `report`; the k-th value is epoch k."""
+    done = threading.Event()
+
+    def poll() -> None:
+        seen = 0
+        while not done.wait(interval):
+            history = sorted(run.client.get_metric_history(run.run_id, metric), key=lambda m: (m.step, m.timestamp))
+            for k, m in enumerate(history[seen:], start=seen):
+                report(k, {metric: m.value})
+            seen = len(history)
+
+    watcher = threading.Thread(target=poll, name="gpuflow-trial-metric", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join()
+
+
 # --- the sweep ---------------------------------------------------------------------------
 
 
 def sweep_run_name() -> str:
     p = flow_run.get_parameters()
-    return p.get("study") or f"sweep-{dataset_label(p.get('model', 'mlp'))}-{dataset_label(p.get('dataset', 'digits'))}"
+    return p.get("study") or default_study(p)
 
 
 @flow(name="sweep", flow_run_name=sweep_run_name, validate_parameters=False,
@@ -432,8 +519,6 @@ def plots(study, parent: tracked.TrackedRun) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
-    import warnings
-
     import matplotlib.pyplot as plt
     from optuna.visualization import matplotlib as vis
 
@@ -458,8 +543,37 @@ def register_best(params: SweepParams, client, summary: dict, name: str) -> dict
     folder = RunFolder(Path(params.runs_dir).resolve() / run_id)
     result = json.loads(folder.result.read_text())
     run = tracked.attached_run(params.tracking_uri, run_id, folder.root)
+    if params.script:
+        return register_best_script(params, client, run, result, summary, name)
     version = results.register_model(run, result, params.registered_model, str(Path.cwd()),
                                      f"{params.model} on {params.dataset}: best trial {summary['best_trial']} of "
                                      f"sweep {name} ({summary['best_params']})")
     decision = compare_with_champion(params, client, version, run_id, "sweep")
     return {"model_version": version, "promoted": decision["promoted"]}
+
+
+def register_best_script(params: SweepParams, client, run: tracked.TrackedRun, outputs: dict, summary: dict,
+                         name: str) -> dict:
+    """A script's best model (when it declared one), registered; promoted only while there is no
+    champion: gpuflow cannot evaluate a script's model on the champion's data, so it never replaces
+    one without that comparison (the version's outcome tag says so)."""
+    log = get_run_logger()
+    if not outputs.get("model_spec") or not outputs.get("weights"):
+        log.info("sweep %s: no model registered: the best trial's script declared no model "
+                 "(gpuflow.training.helper.declare_model) or saved no state dict", name)
+        return {"model_version": None, "promoted": False}
+    from gpuflow.tasks.tracking.registry import champion_version, promote
+
+    version = results.register_model(run, {"model_spec": outputs["model_spec"], "weights": outputs["weights"]},
+                                     params.registered_model, str(Path.cwd()),
+                                     f"{outputs['model_spec']['reference']} trained by {Path(params.script).name}: "
+                                     f"best trial {summary['best_trial']} of sweep {name} ({summary['best_params']})")
+    champion = champion_version(client, params.registered_model)
+    promoted = champion is None
+    if promoted:
+        promote(client, params.registered_model, version)
+    client.set_model_version_tag(params.registered_model, version, results.OUTCOME_TAG,
+                                 "promoted: no champion before" if promoted else
+                                 f"not compared: champion v{champion} kept (a script's model has no gpuflow "
+                                 "evaluation; compare them and move the alias yourself)")
+    return {"model_version": version, "promoted": promoted}

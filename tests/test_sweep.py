@@ -4,6 +4,7 @@ Real parts throughout: the sweep flow on the session's Prefect server, real torc
 (gloo), a real SQLite MLflow store and a real SQLite Optuna study.
 """
 
+import json
 import os
 import signal
 import socket
@@ -212,3 +213,83 @@ def test_a_sweep_waits_for_a_slot_another_run_holds_and_never_uses_it(prefect_ap
     _, trials = _runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
     assert len(trials) == 2 and {r.data.tags["sweep.slot"] for r in trials} == {"cpu1"}
     assert _most_at_once(trials) == 1
+
+
+SCRIPT = '''\
+"""A user's script, unchanged for the sweep: its own arguments, its own mlflow.log_metric calls."""
+import argparse, math, os, time
+
+import mlflow
+import torch
+
+from gpuflow.training import helper
+
+p = argparse.ArgumentParser()
+p.add_argument("--lr", type=float, required=True)
+p.add_argument("--width", type=int, required=True)
+p.add_argument("--epochs", type=int, default=4)
+a = p.parse_args()
+with open(os.path.join(os.environ["GPUFLOW_OUTPUT_DIR"], "args.txt"), "w") as f:
+    f.write(f"{a.lr} {a.width}")
+mlflow.start_run()  # attaches to the trial's run (MLFLOW_RUN_ID)
+score = lambda e: (e + 1) * (1.0 - abs(math.log10(a.lr) + 2) / 5) + a.width / 1000  # best near lr=0.01
+for e in range(a.epochs):
+    time.sleep(1.5)  # an epoch outlasts the flow's poll of the run's metrics
+    mlflow.log_metric("val_score", score(e), step=e)
+model = torch.nn.Linear(4, a.width)
+torch.save(model.state_dict(), os.path.join(helper.output_dir(), "model.pt"))
+helper.declare_model("torch.nn:Linear", in_features=4, out_features=a.width)
+'''
+
+
+def test_a_scripts_sweep_fills_its_arguments_prunes_from_its_own_mlflow_metric_and_registers_the_best(
+        prefect_api, tmp_path, monkeypatch):
+    from gpuflow.flows.sweep import sweep
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text(SCRIPT)
+    space = _space(tmp_path, "lr: {type: float, low: 1.0e-4, high: 1.0, log: true}\n"
+                             "width: {type: int, low: 2, high: 8}\n")
+    study = optuna.create_study(study_name="script", storage=f"sqlite:///{tmp_path / 'optuna.db'}",
+                                direction="maximize")
+    for lr in (0.01, 0.02, 1.0):  # two good trials, then one the median pruner must stop
+        study.enqueue_trial({"lr": lr, "width": 4})
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    out = sweep(script=str(tmp_path / "train.py"), script_args=["--lr", "{lr}", "--epochs", "4"], space=space,
+                trials=3, parallel="1", pruner="median", optimize="val_score", gpus="cpu", study="script",
+                tracking_uri=uri, runs_dir=str(tmp_path / "runs"), registered_model="scripted")
+    study = _study(tmp_path, "script")
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE, TrialState.COMPLETE, TrialState.PRUNED]
+    (parent,), trials = _runs(uri)
+    assert parent.info.status == "FINISHED" and len(trials) == 3
+    for r in trials:  # {lr} filled in place, width (no placeholder) appended as --width=4
+        t = study.trials[int(r.data.tags["sweep.trial"])]
+        args = (tmp_path / "runs" / r.info.run_id / "outputs" / "args.txt")
+        assert not args.exists() or args.read_text() == f"{t.params['lr']} 4"
+        assert r.data.params["gpuflow.script_args"] == json.dumps(["--lr", str(t.params["lr"]), "--epochs", "4",
+                                                                    "--width=4"])
+    bad = next(r for r in trials if r.data.tags["sweep.trial"] == "2")
+    assert bad.info.status == "FINISHED" and bad.data.tags["sweep.pruned"].startswith("after epoch ")
+    assert len(mlflow.MlflowClient().get_metric_history(bad.info.run_id, "val_score")) < 4  # stopped early
+    best = study.best_trial
+    assert best.number == 0 and out["best_value"] == pytest.approx(4.004)
+    client = mlflow.MlflowClient()
+    (version,) = client.search_model_versions("name='scripted'")
+    assert version.run_id == best.user_attrs["mlflow_run_id"] and out["promoted"] is True
+    assert client.get_model_version_by_alias("scripted", "champion").version == version.version
+
+
+@pytest.mark.parametrize("space, args, says", [
+    ("lr: {type: float, low: 0.1, high: 1}", [], "needs optimize="),
+    ("lr: {type: float, low: 0.1, high: 1}", ["--optimize", "acc", "--", "--lr", "{lrr}"],
+     "{lrr} in '{lrr}' is not in space="),
+    ("'--lr': {type: float, low: 0.1, high: 1}", ["--optimize", "acc"], "'--lr' cannot name a script argument"),
+    ("lr: {type: float, low: 0.1, high: 1}", ["--optimize", "acc", "--strategy", "dp"], "strategy"),
+])
+def test_a_scripts_bad_sweep_is_refused_before_anything_starts(tmp_path, capsys, space, args, says):
+    (tmp_path / "train.py").write_text("print('never run')\n")
+    code = main(["sweep", "--script", str(tmp_path / "train.py"), "--space", _space(tmp_path, space),
+                 "--tracking-uri", f"sqlite:///{tmp_path / 'mlflow.db'}", *args])
+    err = capsys.readouterr().err
+    assert code == 2 and says in err, err
+    assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "optuna.db").exists()
