@@ -11,7 +11,8 @@ where the user runs their own code) only this passes:
   `myproj.nets:torch` (a module) do not;
 - a file reference to a project file inside the allowed folders (`--allow-paths`, default:
   serve's folder), never an installed library's file, naming what that file itself defines;
-- paths and `collect` patterns whose real paths (links followed) lie inside those folders.
+- paths and `collect` patterns whose real paths (links followed) lie inside those folders;
+- a sweep's space file there too, and its study in a SQLite file there (no other database URL).
 
 References are checked as what they resolve to (training/refs.py `resolve_defined`), without
 calling anything. The flows check it themselves, first, since a deployment run never passes
@@ -33,7 +34,7 @@ from gpuflow.training.refs import (REFERENCE_FIELDS, CodeReferenceError, is_file
 
 from .settings import Settings
 
-PATHS = ("data_root", "runs_dir", "resume", "checkpoint", "inputs", "output", "script")
+PATHS = ("data_root", "runs_dir", "resume", "checkpoint", "inputs", "output", "script", "space")
 
 
 class NotAllowed(UserError):
@@ -60,6 +61,13 @@ def check_allowed(params, settings: Settings | None = None) -> None:
             _inside(name, value, Path(value), folders, shown)
     for pattern in getattr(params, "collect", None) or []:  # read from the run's working folder
         _inside("collect", pattern, Path(pattern), folders, shown)
+    storage = getattr(params, "storage", None)  # a sweep's study: a file it creates and writes
+    if storage:
+        if not storage.startswith("sqlite:///"):
+            raise NotAllowed(f"storage={storage[:200]!r}: a served sweep keeps its study in a SQLite file inside "
+                             f"the folders it may use ({shown}); leave storage unset (optuna.db beside the "
+                             "tracking store) or give sqlite:///<such a folder>/optuna.db")
+        _inside("storage", storage, Path(storage[len("sqlite:///"):]), folders, shown)
 
 
 def _check_reference(name: str, value: str, packages: set[str], folders: list[Path], shown: str) -> None:

@@ -274,7 +274,11 @@ class SweepParams(Sweep, RetrainParams):
 
     @model_validator(mode="after")
     def _space_and_cards(self):
-        """The space and the trials' cards, checked before a server starts or a trial runs."""
+        """The space and the trials' cards, checked before a server starts or a trial runs; in a
+        served run, first what the caller may name and read (the space file, user code)."""
+        from .allow import check_allowed
+
+        check_allowed(self)
         if self.nodes > 1 or self.nnodes > 1:
             raise ValueError("a sweep's trials each run on this machine; drop nodes/nnodes")
         if self.script:

@@ -231,3 +231,30 @@ def test_logging_a_finished_scripts_files_never_raises(tmp_path):
     lost: list[str] = []
     scriptout._log_file(run, tmp_path / "w.pt", "outputs", lost)
     assert lost == [f"{tmp_path / 'w.pt'} (OSError: disk full)"]
+
+
+def test_a_served_sweep_reads_its_space_and_keeps_its_study_only_inside_the_allowed_folders(served, tmp_path,
+                                                                                             monkeypatch):
+    from gpuflow.flows.params import SweepParams
+
+    monkeypatch.setenv("GPUFLOW_ALLOW_CODE", "pkgx")
+    monkeypatch.setenv("GPUFLOW_ALLOW_PATHS", str(tmp_path))
+    inside = tmp_path / "space.yaml"
+    inside.write_text("lr: {type: float, low: 0.001, high: 0.1}\n")
+    outside = tmp_path.parent / f"{tmp_path.name}-secret.yaml"
+    outside.write_text("password: hunter2\n")  # a YAML file the caller must not get echoed back
+    (tmp_path / "link.yaml").symlink_to(outside)
+    try:
+        for space in (outside, tmp_path / "link.yaml"):
+            with pytest.raises(allow.NotAllowed, match="is outside the folders") as refused:
+                SweepParams(space=str(space))
+            assert "hunter2" not in str(refused.value)
+        for storage in ("postgresql+psycopg://attacker@10.0.0.1/db", f"sqlite:///{tmp_path.parent / 'x.db'}"):
+            with pytest.raises(allow.NotAllowed, match="storage="):
+                SweepParams(space=str(inside), storage=storage)
+        with pytest.raises(allow.NotAllowed, match="not a path through other objects"):  # nothing imported past it
+            SweepParams(space=str(inside), objective="pkgx.nets:nn.functional.torch.os.system")
+        SweepParams(space=str(inside), model="pkgx.nets:Net", storage=f"sqlite:///{tmp_path / 'optuna.db'}")
+    finally:
+        outside.unlink()
+    assert not (tmp_path.parent / "x.db").exists()
