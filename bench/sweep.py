@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import logging
 import multiprocessing
 import os
 import signal
@@ -263,6 +264,8 @@ def main(argv=None) -> dict:
     p.add_argument("--prune-size", type=int, default=50000, help="synthetic samples of the pruning sweeps")
     p.add_argument("--write", action="store_true", help="append a dated section to bench/RESULTS.md")
     a = p.parse_args(argv)
+    logging.getLogger("mlflow").setLevel(logging.WARNING)  # "Creating initial MLflow database tables..."
+    logging.getLogger("optuna").setLevel(logging.WARNING)  # "A new study created in RDB..."
     before = beside()
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)

@@ -234,7 +234,8 @@ class RetrainParams(PipelineParams):
         return self.model_dump(include=set(PipelineParams.model_fields))
 
 
-def check_parallel(v: str) -> str:
+def check_parallel(v: str | int) -> str:
+    """auto or a count; a number as the Prefect form and `-p parallel=2` send it, or as text."""
     v = str(v).strip()
     if v != "auto" and not (v.isdigit() and int(v) >= 1):
         raise ValueError(f"parallel={v!r}: use auto or a number of trials at a time, like 2")
@@ -254,7 +255,7 @@ class Sweep(BaseModel):
         description="YAML file: parameter (or model_args.<key>) -> {type: float|int|choice, low, high, log, "
         "step, values}")
     trials: int = Field(20, ge=1, le=100_000, description="trials to finish (a resumed sweep counts its earlier ones)")
-    parallel: Annotated[str, AfterValidator(check_parallel)] = Field(
+    parallel: Annotated[str | int, AfterValidator(check_parallel)] = Field(
         "auto", description="trials at a time: auto (as many as free cards allow, or CPU slots without a GPU) or N")
     gpus_per_trial: int = Field(1, ge=1, le=1024, description="cards per trial (each trial may be DDP)")
     pruner: Literal["median", "none"] = Field("median", description="stop trials whose epoch score is worse than "

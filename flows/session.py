@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 import time
 import uuid
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -78,12 +78,13 @@ class Session:
 
 
 @contextmanager
-def training_session(params, batch_size: int | None = None, precision: str | None = None) -> Iterator[Session]:
-    """Allowlist and references checked, the host's device slot taken, devices probed and
-    assigned, their cards locked for the block."""
+def training_session(params, batch_size: int | None = None, precision: str | None = None,
+                     slot: bool = True) -> Iterator[Session]:
+    """Allowlist and references checked, the host's device slot taken (unless `slot` is False: a
+    sweep's trial, whose sweep holds it), devices probed and assigned, their cards locked for the block."""
     check_allowed(params)  # a served deployment's run names only what the operator allowed
     check_references(params)  # user code imports: refused before data or devices are touched
-    with device_slot():  # served runs on one host queue here
+    with device_slot() if slot else nullcontext():  # served runs on one host queue here
         timer = StepTimer()
         with timer("probe"):
             report = probe_environment()

@@ -42,7 +42,7 @@ from typing import Any, Literal
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
-from gpuflow.tasks.devices.cards import CardLocks
+from gpuflow.tasks.devices.cards import CardLocks, device_slot
 from gpuflow.tasks.devices.probe import EnvironmentReport, probe_environment
 from gpuflow.tasks.launch import Stopped
 from gpuflow.tasks.tracking import orphans, results, store, tracked
@@ -54,7 +54,7 @@ from .params import PipelineParams, ScriptParams, SweepParams, flat_parameters
 from .space import Distribution, SweepError, read_space, with_values
 from .prepared import prepared
 from .retrain import compare_with_champion
-from .session import training_session
+from .session import run_tags, training_session
 from .train import dataset_label, train
 
 CONSECUTIVE_FAILURES = 3  # trials failing in a row stop the sweep: the next would fail the same way
@@ -79,6 +79,13 @@ def storage_url(params: SweepParams) -> str:
     uri = store.absolute_uri(params.tracking_uri)
     folder = Path(uri[len("sqlite:///"):]).parent if uri.startswith("sqlite:///") else Path.cwd()
     return f"sqlite:///{folder / 'optuna.db'}"
+
+
+def shown_url(url: str) -> str:
+    """A storage URL as logs and tags may show it: without its password."""
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).render_as_string(hide_password=True)
 
 
 def objective_target(params: SweepParams) -> tuple[str, str]:
@@ -272,7 +279,7 @@ def run_trial(t: Trial, params: SweepParams, parent_id: str, metric: str, study_
         "run_name": f"{study_name}-t{number}"})
     report = reporter(t, params, metric)
     tags = trial_tags(t, parent_id, study_name) | {"dataset": trial_params.dataset, "model": trial_params.model}
-    with training_session(trial_params, trial_params.batch_size, trial_params.precision) as s:
+    with training_session(trial_params, trial_params.batch_size, trial_params.precision, slot=False) as s:
         data = prepared(trial_params, s)
         with s.run("trial", tags, trial_params.world_size(s.plan), data.model_dump(mode="json"),
                    name=trial_params.run_name) as run:
@@ -304,7 +311,7 @@ def run_script_trial(t: Trial, params: SweepParams, parent_id: str, metric: str,
     trial_params = ScriptParams.model_validate(params.script_params(t.values) | {
         "gpus": t.slot.gpus, "cpu_processes": t.slot.processes, "run_name": f"{study_name}-t{t.trial.number}"})
     tags = trial_tags(t, parent_id, study_name) | {"script": trial_params.script}
-    with training_session(trial_params) as s, \
+    with training_session(trial_params, slot=False) as s, \
             s.run(Path(trial_params.script).stem, tags, s.plan.nproc_per_node, name=trial_params.run_name) as run:
         t.run_id = run.run_id
         t.trial.set_user_attr("mlflow_run_id", run.run_id)
@@ -372,13 +379,13 @@ def sweep(params: SweepParams) -> dict:
     done = counted(study)
     log.info("sweep %s: %d of %d trials done; %d at a time on %s; optimizing %s (%s); study in %s", name, done,
              params.trials, slots.parallel, "GPUs" if slots.gpu else "CPU slots", metric, direction,
-             storage_url(params))
+             shown_url(storage_url(params)))
     resume = study.user_attrs.get("mlflow_run_id")
     client = store.prepare_store(params.tracking_uri)
     if resume and not run_exists(client, resume):
         resume = None
     with tracked.tracked_run(params.tracking_uri, params.experiment, name,
-                             {"sweep.study": name, "sweep.storage": storage_url(params)}, None,
+                             {**run_tags(), "sweep.study": name, "sweep.storage": shown_url(storage_url(params))}, None,
                              params.runs_dir, resume=resume) as parent:
         study.set_user_attr("mlflow_run_id", parent.run_id)
         parent.log_json({k: v.model_dump(exclude_none=True) for k, v in space.items()}, "space.json", "sweep")
@@ -386,7 +393,8 @@ def sweep(params: SweepParams) -> dict:
             parent.log_params({"sweep.trials": params.trials, "sweep.parallel": slots.parallel,
                                "sweep.pruner": params.pruner, "sweep.optimize": metric,
                                "sweep.direction": direction, "sweep.space": sorted(space)})
-        run_trials(study, space, params, slots, parent.run_id, metric, name)
+        with device_slot():  # one served run on this host's devices (its trials do not queue on it again)
+            run_trials(study, space, params, slots, parent.run_id, metric, name)
         summary = summarize(study, parent, metric)
         if summary.get("best_run_id"):
             summary |= register_best(params, client, summary, name)

@@ -161,6 +161,28 @@ def test_the_script_deployment_runs_an_allowed_script_and_refuses_one_outside(se
     assert len(client.search_runs([client.get_experiment_by_name("scripted").experiment_id])) == 1
 
 
+def test_the_sweep_deployment_runs_its_trials_side_by_side_under_the_hosts_one_device_slot(served):
+    """`prefect deployment run 'sweep/default' -p space=... -p trials=...`: the served sweep holds the
+    host's device slot once (limit 1), so its two trials still run at the same time."""
+    env, base = served["env"], served["base"]
+    (base / "space.yaml").write_text("lr: {type: float, low: 1.0e-3, high: 0.1, log: true}\n")
+    out = _prefect(["deployment", "run", "sweep/default", "-p", f"space={base / 'space.yaml'}", "-p", "trials=2",
+                    "-p", "parallel=2", "-p", "gpus=cpu", "-p", "epochs=1", "-p", "pruner=none", "-p",
+                    "study=served-sweep", "-p", "experiment=swept", "-p", "registered_model=swept", "--watch"],
+                   env, timeout=400)
+    assert out.returncode == 0, out.stdout[-3000:] + (base / "serve.log").read_text()[-3000:]
+    client = _client(served)
+    runs = client.search_runs([client.get_experiment_by_name("swept").experiment_id])
+    assert len(runs) == 3 and all(r.info.status == "FINISHED" for r in runs)
+    (parent,) = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    trials = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert len(trials) == 2 and parent.data.tags["prefect.deployment"] == "default"
+    first_end = min(r.info.end_time for r in trials)
+    assert all(r.info.start_time < first_end for r in trials)  # side by side, not queued on the slot
+    assert (base / "optuna.db").is_file()  # the study beside the tracking store, in serve's folder
+    assert client.get_model_version_by_alias("swept", "champion").run_id in {r.info.run_id for r in trials}
+
+
 def test_cancelling_a_served_run_stops_its_ranks_and_ends_its_run_killed(served):
     env, api, db = served["env"], served["api"], served["db"]
     run = _prefect(["deployment", "run", "train-pipeline/ddp", "-p", "epochs=50", "-p", "gpus=cpu",
