@@ -13,7 +13,9 @@ a Unix socket in <data>/socket only: nothing on the network, and no password (tr
 that socket alone). Run as root, it runs as the `postgres` system user, which must be able to
 reach <data>. With --database-url it uses that server's databases `prefect` and `mlflow`
 (created if it may). The schemas are migrated once before the servers start: servers started
-together would race on migrations.
+together would race on migrations. Sweeps keep their Optuna studies in its database `optuna`: the
+stack publishes that URL in the Prefect Variable `gpuflow_sweep_storage` (unless the URL holds a
+password, which a Variable would show to every API user: then pass --storage to the sweep).
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ from gpuflow.training.reaper import start_supervised
 
 from .settings import LOOPBACK
 
-DATABASES = ("prefect", "mlflow")
+DATABASES = ("prefect", "mlflow", "optuna")
+STUDY_VARIABLE = "gpuflow_sweep_storage"  # the Prefect Variable where sweeps find the stack's study database
 STOP_GRACE_S = 30
 
 
@@ -117,6 +120,19 @@ def create_databases(url: str) -> None:
                 conn.execute(f'CREATE DATABASE "{name}"')
 
 
+def publish_study_storage(api: str, url: str) -> None:
+    """Tell sweeps where the stack keeps studies (a Prefect Variable), unless that would show a password."""
+    if urllib.parse.urlsplit(url).password:
+        print("gpuflow stack: sweeps keep their studies where --storage says (the database URL holds a password, "
+              "which a Prefect Variable would show to every API user)", flush=True)
+        return
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.variables import Variable
+
+    with temporary_settings({PREFECT_API_URL: api}):
+        Variable.set(STUDY_VARIABLE, url, overwrite=True)
+
+
 def healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=2) as r:
@@ -157,6 +173,7 @@ def serve_stack(s: StackService) -> int:
             if any(p.poll() is not None for p in procs) or time.monotonic() > deadline or stop["signal"]:
                 raise UserError("a server of the stack did not start; see its output above")
             time.sleep(0.5)
+        publish_study_storage(api, database(url, "optuna", "psycopg"))
         print(f"gpuflow stack: ready. On every machine:\n  export PREFECT_API_URL={api}\n"
               f"  export MLFLOW_TRACKING_URI={ui}", flush=True)
         while not stop["signal"] and all(p.poll() is None for p in procs):

@@ -55,6 +55,7 @@ from .space import Distribution, SweepError, read_space, with_values
 from .prepared import prepared
 from .retrain import compare_with_champion
 from .session import run_tags, training_session
+from .stack import STUDY_VARIABLE
 from .train import dataset_label, train
 
 CONSECUTIVE_FAILURES = 3  # trials failing in a row stop the sweep: the next would fail the same way
@@ -73,12 +74,16 @@ def default_study(p: dict) -> str:
 
 
 def storage_url(params: SweepParams) -> str:
-    """The study's storage: as given, else optuna.db beside a SQLite tracking store (or here)."""
+    """The study's storage: as given; else optuna.db beside a SQLite tracking store; else the team
+    stack's database (which `gpuflow stack` publishes in a Prefect Variable); else optuna.db here."""
     if params.storage:
         return params.storage
     uri = store.absolute_uri(params.tracking_uri)
-    folder = Path(uri[len("sqlite:///"):]).parent if uri.startswith("sqlite:///") else Path.cwd()
-    return f"sqlite:///{folder / 'optuna.db'}"
+    if uri.startswith("sqlite:///"):
+        return f"sqlite:///{Path(uri[len('sqlite:///'):]).parent / 'optuna.db'}"
+    from prefect.variables import Variable
+
+    return Variable.get(STUDY_VARIABLE, default=None) or f"sqlite:///{Path.cwd() / 'optuna.db'}"
 
 
 def shown_url(url: str) -> str:
@@ -185,8 +190,8 @@ class Slots:
 # --- the study ---------------------------------------------------------------------------
 
 
-def open_study(params: SweepParams, direction: str):
-    """The study, created or loaded; trials left RUNNING by a sweep that is gone are failed
+def open_study(params: SweepParams, direction: str, url: str):
+    """The study, created or loaded in `url`; trials left RUNNING by a sweep that is gone are failed
     (this host's by their owner's pid, others' by their stale heartbeat)."""
     import optuna
 
@@ -194,7 +199,6 @@ def open_study(params: SweepParams, direction: str):
     # heartbeats are what makes a crashed sweep's trials fail (not leave zombies): used on purpose
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
-    url = storage_url(params)
     kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
     storage = optuna.storages.RDBStorage(url, engine_kwargs=kwargs, heartbeat_interval=HEARTBEAT_S)
     sampler = optuna.samplers.TPESampler(seed=params.sampler_seed, constant_liar=True,
@@ -204,7 +208,7 @@ def open_study(params: SweepParams, direction: str):
     study = optuna.create_study(storage=storage, study_name=study_name(params), direction=direction,
                                 sampler=sampler, pruner=pruner, load_if_exists=True)
     if study.direction.name.lower() != direction:
-        raise SweepError(f"study {study_name(params)!r} in {url} was created to {study.direction.name.lower()}, "
+        raise SweepError(f"study {study_name(params)!r} in {shown_url(url)} was created to {study.direction.name.lower()}, "
                          f"not {direction}; name a new study")
     cut_off_orphans(study)
     optuna.storages.fail_stale_trials(study)
@@ -374,18 +378,19 @@ def sweep(params: SweepParams) -> dict:
     space = read_space(params.space)  # checked already, with the other parameters (SweepParams)
     metric, direction = objective_target(params)
     slots = Slots(params, probe_environment())
-    study = open_study(params, direction)
+    url = storage_url(params)
+    study = open_study(params, direction, url)
     name = study_name(params)
     done = counted(study)
     log.info("sweep %s: %d of %d trials done; %d at a time on %s; optimizing %s (%s); study in %s", name, done,
              params.trials, slots.parallel, "GPUs" if slots.gpu else "CPU slots", metric, direction,
-             shown_url(storage_url(params)))
+             shown_url(url))
     resume = study.user_attrs.get("mlflow_run_id")
     client = store.prepare_store(params.tracking_uri)
     if resume and not run_exists(client, resume):
         resume = None
     with tracked.tracked_run(params.tracking_uri, params.experiment, name,
-                             {**run_tags(), "sweep.study": name, "sweep.storage": shown_url(storage_url(params))}, None,
+                             {**run_tags(), "sweep.study": name, "sweep.storage": shown_url(url)}, None,
                              params.runs_dir, resume=resume) as parent:
         study.set_user_attr("mlflow_run_id", parent.run_id)
         parent.log_json({k: v.model_dump(exclude_none=True) for k, v in space.items()}, "space.json", "sweep")

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -177,3 +178,26 @@ def _nightly_schedule(stack: Stack) -> str:
     with temporary_settings({PREFECT_API_URL: stack.api}), get_client(sync_client=True) as client:
         (schedule,) = client.read_deployment_by_name("retrain/nightly").schedules
         return schedule.schedule.cron
+
+
+def test_a_sweep_on_the_stack_keeps_its_study_in_the_stacks_postgresql(stack, tmp_path):
+    import optuna
+    from optuna.trial import TrialState
+
+    (tmp_path / "space.yaml").write_text("lr: {type: float, low: 1.0e-3, high: 0.1, log: true}\n")
+    p = subprocess.run([str(BIN / "gpuflow"), "sweep", "--space", str(tmp_path / "space.yaml"), "--trials", "2",
+                        "--parallel", "1", "--pruner", "none", "--study", "on-the-stack", "--experiment", "swept",
+                        "--registered-model", "swept", *TINY], cwd=tmp_path, env=stack.env(), capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert not (tmp_path / "optuna.db").exists()  # not beside the user: in the stack's database
+    url = f"postgresql+psycopg://postgres@/optuna?host={stack.data / 'socket'}"
+    study = optuna.load_study(study_name="on-the-stack", storage=url)
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 2
+    client = mlflow.MlflowClient(stack.ui)
+    runs = client.search_runs([client.get_experiment_by_name("swept").experiment_id])
+    assert len(runs) == 3 and {r.info.status for r in runs} == {"FINISHED"}
+    (parent,) = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    assert urllib.parse.unquote(parent.data.tags["sweep.storage"]) == url
+    assert {t.user_attrs["mlflow_run_id"] for t in study.trials} == {
+        r.info.run_id for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
