@@ -31,6 +31,7 @@ import os
 import socket
 import threading
 import time
+import urllib.parse
 import warnings
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
@@ -83,7 +84,14 @@ def storage_url(params: SweepParams) -> str:
         return f"sqlite:///{Path(uri[len('sqlite:///'):]).parent / 'optuna.db'}"
     from prefect.variables import Variable
 
-    return Variable.get(STUDY_VARIABLE, default=None) or f"sqlite:///{Path.cwd() / 'optuna.db'}"
+    published = Variable.get(STUDY_VARIABLE, default=None)
+    if not published:
+        return f"sqlite:///{Path.cwd() / 'optuna.db'}"
+    socket_dir = dict(urllib.parse.parse_qsl(urllib.parse.urlsplit(published).query)).get("host", "")
+    if socket_dir.startswith("/") and not Path(socket_dir).is_dir():
+        raise SweepError(f"the team stack keeps studies at {shown_url(published)}, a Unix socket of the stack's "
+                         "own machine; on this machine give storage=<a database URL this machine reaches>")
+    return published
 
 
 def shown_url(url: str) -> str:
