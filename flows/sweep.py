@@ -462,6 +462,8 @@ def run_trials(study, space: dict[str, Distribution], params: SweepParams, slots
                 if failures >= CONSECUTIVE_FAILURES:
                     raise SweepError(f"sweep {name}: {failures} trials failed in a row, the last: "
                                      f"{one_line(fut.exception())}") from fut.exception()
+                log.info("sweep %s: %d of %d trials done, %d running; best so far: %s", name, counted(study),
+                         params.trials, len(running), best_so_far(study))
     except BaseException:
         for t in running.values():  # stop every trial's ranks, then mark them cut off
             t.stop.set()
@@ -474,6 +476,13 @@ def run_trials(study, space: dict[str, Distribution], params: SweepParams, slots
         raise
     finally:
         pool.shutdown(wait=True)
+
+
+def best_so_far(study) -> str:
+    try:
+        return f"trial {study.best_trial.number}, {study.best_value:.6g}"
+    except ValueError:  # no trial has finished yet
+        return "none yet"
 
 
 def start_trial(study, space: dict[str, Distribution], slot: Slot) -> Trial:
