@@ -29,37 +29,33 @@ import signal
 import statistics
 import subprocess
 import tempfile
+import textwrap
 import time
 from collections import Counter
 from pathlib import Path
 
+import optuna
 import psutil
 
-from bench.common import PY, ROOT, env, interleaved, json_lines, launcher, run, summary
+from bench.common import PY, ROOT, env, fmt, interleaved, json_lines, launcher, run, summary
 from tests.servers import prefect_server
 
 SPACE = "lr: {type: float, low: 1.0e-3, high: 0.1, log: true}\noptimizer: {type: choice, values: [adam, sgd]}\n"
 BARE = ROOT / "bench" / "bare_ddp.py"
 SLOTS = 2  # --parallel 2: one CPU slot (one process) per trial
 LOOP_GOAL, PAIR_GOAL, SAVED_GOAL, SCORE_GOAL = 0.6, 1.10, 0.30, 0.01
-
-
-# --- the baselines: plain Optuna, the bare script per trial ------------------------------
+optuna.logging.set_verbosity(optuna.logging.WARNING)  # here and in the Optuna processes
 
 
 def sampler(seed: int, trials: int):
-    import optuna  # gpuflow's sampler (flows/sweep.py open_study), so that only the launcher differs
-
+    """gpuflow's (flows/sweep.py open_study): only the way trials are launched differs."""
     return optuna.samplers.TPESampler(seed=seed, constant_liar=True, n_startup_trials=min(10, max(2, trials // 3)))
 
 
 def optuna_process(storage: str, study: str, n: int, seed: int, trials: int, epochs: int, space: str) -> None:
     """A plain Optuna process: n trials, each the bare script in a subprocess (one process)."""
-    import optuna
-
     from gpuflow.flows.space import read_space
 
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
     dists = read_space(space)
     s = optuna.load_study(study_name=study, storage=storage, sampler=sampler(seed, trials))
 
@@ -74,8 +70,6 @@ def optuna_process(storage: str, study: str, n: int, seed: int, trials: int, epo
 
 def optuna_arm(tmp: Path, a, processes: int) -> tuple[float, dict]:
     """Wall of `processes` Optuna processes sharing one SQLite study, `a.trials` trials in all."""
-    import optuna
-
     storage = f"sqlite:///{tmp / 'optuna.db'}"
     optuna.create_study(study_name="plain", storage=storage, direction="maximize")
     spawn = multiprocessing.get_context("spawn")
@@ -93,9 +87,6 @@ def optuna_arm(tmp: Path, a, processes: int) -> tuple[float, dict]:
     done = optuna.load_study(study_name="plain", storage=storage).get_trials(deepcopy=False)
     busy = sum((t.datetime_complete - t.datetime_start).total_seconds() for t in done)
     return wall, {"busy": busy / (SLOTS * wall), "best": max(t.value for t in done)}
-
-
-# --- gpuflow sweep -----------------------------------------------------------------------
 
 
 def sweep_cmd(tmp: Path, a, **opts) -> list[str]:
@@ -116,6 +107,7 @@ def client(folder: Path):
     """The folder's MLflow store, created on first use (before a sweep: as in a user's checkout, not timed)."""
     import mlflow
 
+    logging.getLogger("mlflow").setLevel(logging.WARNING)  # "Creating initial MLflow database tables..."
     return mlflow.MlflowClient(f"sqlite:///{folder / 'mlflow.db'}")
 
 
@@ -129,8 +121,6 @@ def trial_runs(folder: Path) -> list:
 
 
 def study(folder: Path):
-    import optuna
-
     return optuna.load_study(study_name="s", storage=f"sqlite:///{folder / 'optuna.db'}")
 
 
@@ -149,13 +139,11 @@ def pruning(tmp: Path, a, api: dict) -> dict:
         folder = fresh(tmp, f"prune-{pruner}")
         wall, res = sweep_arm(folder, a, api, pruner=pruner, dataset="synthetic", synthetic_size=a.prune_size,
                               epochs=a.prune_epochs)
-        epochs = sum(len(client(folder).get_metric_history(r.info.run_id, "val_accuracy")) for r in trial_runs(folder))
+        epochs = sum(len(client(folder).get_metric_history(r.info.run_id, "val_accuracy"))
+                     for r in trial_runs(folder))
         pruned = sum(t.state.name == "PRUNED" for t in study(folder).trials)
         out[pruner] = {"wall": wall, "epochs": epochs, "best": res["best"], "pruned": pruned}
     return out
-
-
-# --- the crash ---------------------------------------------------------------------------
 
 
 def crash(tmp: Path, a, api: dict) -> dict:
@@ -176,12 +164,13 @@ def crash(tmp: Path, a, api: dict) -> dict:
                                                   for t in trials):
             break
         time.sleep(0.3)
+    tree = psutil.Process(proc.pid).children(recursive=True)  # its trials' processes
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     time.sleep(10)
-    strays = [p for p in psutil.process_iter() if _session(p.pid) == proc.pid]  # its trials' processes
-    if strays:
-        os.killpg(proc.pid, signal.SIGKILL)
+    strays = [c for c in tree if c.is_running()]
+    for c in strays:
+        c.kill()
     restart, _ = run(sweep_cmd(folder, a), cwd=folder, **api)
     s, runs = study(folder), trial_runs(folder)
     finished = [r for r in runs if r.info.status == "FINISHED"]
@@ -195,20 +184,10 @@ def crash(tmp: Path, a, api: dict) -> dict:
             "cut_off": sum("cut_off" in t.user_attrs for t in s.trials), "complete_at_kill": len(complete),
             "killed_runs": sum(r.info.status == "KILLED" for r in runs)}
 
-
-def _session(pid: int) -> int | None:
-    try:
-        return os.getsid(pid)
-    except OSError:
-        return None
-
-# --- the report --------------------------------------------------------------------------
-
-
-def beside() -> str:
-    """The 1-minute load and any test run on the machine."""
+def beside() -> tuple[float, int]:
+    """The 1-minute load and the pytest processes on the machine (a test run beside the benchmark)."""
     tests = [p for p in psutil.process_iter(["cmdline"]) if "pytest" in " ".join(p.info["cmdline"] or [])]
-    return f"load {os.getloadavg()[0]:.1f}" + (f", {len(tests)} pytest processes" if tests else "")
+    return os.getloadavg()[0], len(tests)
 
 
 def _met(q: dict, goal: float) -> str:
@@ -232,26 +211,37 @@ def table(res: dict) -> str:
         f"{med['pair']:.1f} s | {_met(ratio['pair'], PAIR_GOAL)} |",
         f"| (information) sweep's slot utilisation, trial runs / ({SLOTS} slots x wall) | {busy['sweep']:.0%} | |",
         f"| pruning: >= {SAVED_GOAL:.0%} fewer epochs | {saved:.0%} ({p['median']['epochs']} vs "
-        f"{p['none']['epochs']} epochs, {p['median']['pruned']} trials pruned) | {'yes' if saved >= SAVED_GOAL else 'no'} |",
+        f"{p['none']['epochs']} epochs, {p['median']['pruned']} trials pruned) | "
+        f"{'yes' if saved >= SAVED_GOAL else 'no'} |",
         f"| pruning: best within {SCORE_GOAL:.0%} of unpruned | {p['median']['best']:.4f} vs {p['none']['best']:.4f} "
         f"({-gap:+.1%}) | {'yes' if gap <= SCORE_GOAL else 'no'} |",
         f"| kill -9 at half the budget, restart: lost, zombies, duplicates = 0, 0, 0 | {c['lost']}, {c['zombies']}, "
         f"{c['duplicates']} | {'yes' if zero else 'no'} |", "",
         "| arm | wall s, median (min-max) | best val_accuracy | busy: trial time / (2 cores x wall) |",
         "|---|---|---|---|",
-        *(f"| {label} | {fmt_s(w[k])} | {statistics.median(x['best'] for x in d[k]):.4f} | {busy[k]:.0%} |"
+        *(f"| {label} | {fmt(summary(w[k]), 1)} | {statistics.median(x['best'] for x in d[k]):.4f} | {busy[k]:.0%} |"
           for k, label in (("sweep", "`gpuflow sweep --parallel 2`"), ("loop", "one Optuna loop, bare script"),
                            ("pair", "two Optuna processes, one SQLite study, bare script"))),
         *(f"| pruner {k}: synthetic {res['args']['prune_size']}, {res['args']['prune_epochs']} epochs | "
           f"{v['wall']:.1f} | {v['best']:.4f} | |" for k, v in p.items()), "",
-        (f"Crash: killed with {c['complete_at_kill']} trials COMPLETE; {c['strays']} of its processes left 10 s "
-         f"after the kill; the restart took {c['restart_s']:.1f} s, marked {c['cut_off']} trial(s) cut off and "
-         f"left {c['killed_runs']} trial run(s) KILLED.")])
+        textwrap.fill(f"Crash: killed with {c['complete_at_kill']} trials COMPLETE; {c['strays']} of its processes "
+                      f"left 10 s after the kill; the restart took {c['restart_s']:.1f} s, marked {c['cut_off']} "
+                      f"trial(s) cut off and left {c['killed_runs']} trial run(s) KILLED.", 95)])
 
 
-def fmt_s(values: list[float]) -> str:
-    s = summary(values)
-    return f"{s['median']:.1f} ({s['min']:.1f}-{s['max']:.1f})"
+def intro(a, res: dict, cmd: str) -> str:
+    (load0, tests0), (load1, tests1) = res["beside"]
+    if tests0 and tests1:
+        beside_it = "A CI run was using the cores beside it"
+    elif tests0 or tests1:
+        beside_it = f"A test run was on the machine only when it {'started' if tests0 else 'ended'}"
+    else:
+        beside_it = "Nothing else was running on the machine when it started and ended"
+    return textwrap.fill(
+        f"Command: `{cmd}`. mlp on digits, {a.trials} trials of {a.epochs} epochs, TPE seed {a.seed}, no pruner, "
+        f"one process per trial, a Prefect server already running; {a.repeats} repeats of part 1, interleaved. "
+        f"{beside_it} ({tests0}/{tests1} pytest processes, 1-minute load {load0:.1f}/{load1:.1f}, before/after).",
+        95)
 
 
 def main(argv=None) -> dict:
@@ -264,15 +254,14 @@ def main(argv=None) -> dict:
     p.add_argument("--prune-size", type=int, default=50000, help="synthetic samples of the pruning sweeps")
     p.add_argument("--write", action="store_true", help="append a dated section to bench/RESULTS.md")
     a = p.parse_args(argv)
-    logging.getLogger("mlflow").setLevel(logging.WARNING)  # "Creating initial MLflow database tables..."
-    logging.getLogger("optuna").setLevel(logging.WARNING)  # "A new study created in RDB..."
     before = beside()
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         (tmp / "space.yaml").write_text(SPACE)
         (tmp / "prefect-home").mkdir()
         server, url = prefect_server(tmp / "prefect-home", env())
-        api = {"PREFECT_API_URL": url, "PREFECT_HOME": str(tmp / "prefect-home"), "GPUFLOW_LOCK_DIR": str(tmp / "locks")}
+        api = {"PREFECT_API_URL": url, "PREFECT_HOME": str(tmp / "prefect-home"),
+               "GPUFLOW_LOCK_DIR": str(tmp / "locks")}
         details: dict[str, list[dict]] = {"sweep": [], "loop": [], "pair": []}
 
         def arm(name: str, timed):
@@ -293,10 +282,7 @@ def main(argv=None) -> dict:
     if a.write:
         cmd = "python -m bench.sweep" + "".join(f" --{k.replace('_', '-')} {v}" for k, v in vars(a).items()
                                                 if k != "write" and p.get_default(k) != v)
-        section = (f"\n## Sweeps (#28, {datetime.date.today()}, same machine)\n\nCommand: `{cmd}`. mlp on digits, "
-                   f"{a.trials} trials of {a.epochs} epochs, TPE seed {a.seed}, no pruner, one process per trial, "
-                   f"a Prefect server already running; {a.repeats} repeats of part 1, interleaved. Machine "
-                   f"before: {res['beside'][0]}; after: {res['beside'][1]}.\n\n{text}\n")
+        section = f"\n## Sweeps (#28, {datetime.date.today()}, same machine)\n\n{intro(a, res, cmd)}\n\n{text}\n"
         with open(ROOT / "bench" / "RESULTS.md", "a") as f:
             f.write(section)
         print("appended to bench/RESULTS.md")

@@ -201,3 +201,14 @@ def test_a_sweep_on_the_stack_keeps_its_study_in_the_stacks_postgresql(stack, tm
     assert urllib.parse.unquote(parent.data.tags["sweep.storage"]) == url
     assert {t.user_attrs["mlflow_run_id"] for t in study.trials} == {
         r.info.run_id for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
+
+
+def test_runs_started_together_on_the_stack_all_link_the_same_dataset(stack, tmp_path):
+    # The same race as on SQLite (tests/test_tracking_store.py), where PostgreSQL words the
+    # duplicate row otherwise: three gpuflow runs at once on the stack failed on it in CI.
+    from tests.test_tracking_store import assert_linked_once, start_together
+
+    errors = start_together(stack.ui, "race", tmp_path / "runs", n=8)
+    assert not errors, errors
+    client = mlflow.MlflowClient(stack.ui)
+    assert_linked_once(client.search_runs([client.get_experiment_by_name("race").experiment_id]), 8)

@@ -133,21 +133,16 @@ def test_prefect_crash_hook_ends_the_flow_runs_mlflow_run_killed(tmp_path):
     assert client.get_run(other).info.status == "RUNNING"
 
 
-@pytest.mark.parametrize("trial", range(2))
-def test_runs_started_together_all_link_the_same_dataset(tmp_path, trial):
-    # MLflow's SQL store checks for the dataset row, then inserts it: without the retry in
-    # tracked.log_dataset one of these starts fails the UNIQUE constraint (seen in CI).
-    uri = _uri(tmp_path)
-    store.prepare_store(uri)
-    n, errors = 6, []
-    barrier = threading.Barrier(n)
+def start_together(uri: str, experiment: str, runs_dir: Path, n: int = 6) -> list[Exception]:
+    """n tracked runs started at once, each logging the same dataset; the errors they raised."""
+    errors, barrier = [], threading.Barrier(n)
 
     def one(i):
         barrier.wait()
         try:
-            with tracked.tracked_run(uri, "race", f"r{i}", {"i": i}, DATASET, tmp_path / "runs", 60):
+            with tracked.tracked_run(uri, experiment, f"r{i}", {"i": i}, DATASET, runs_dir, 60):
                 pass
-        except Exception as e:  # noqa: BLE001 - collected and asserted below
+        except Exception as e:  # noqa: BLE001 - collected and asserted by the caller
             errors.append(e)
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
@@ -155,12 +150,25 @@ def test_runs_started_together_all_link_the_same_dataset(tmp_path, trial):
         t.start()
     for t in threads:
         t.join(120)
-    assert not errors, errors
-    runs = _runs(uri, "race")
+    return errors
+
+
+def assert_linked_once(runs: list, n: int) -> None:
     assert len(runs) == n and {r.info.status for r in runs} == {"FINISHED"}
     for r in runs:
         inputs = r.inputs.dataset_inputs
         assert [(d.dataset.name, d.dataset.digest) for d in inputs] == [("synthetic", DATASET["sha256"][:36])]
+
+
+@pytest.mark.parametrize("trial", range(2))
+def test_runs_started_together_all_link_the_same_dataset(tmp_path, trial):
+    # MLflow's SQL store checks for the dataset row, then inserts it: without the retry in
+    # tracked.log_dataset one of these starts fails the UNIQUE constraint (seen in CI).
+    uri = _uri(tmp_path)
+    store.prepare_store(uri)
+    errors = start_together(uri, "race", tmp_path / "runs")
+    assert not errors, errors
+    assert_linked_once(_runs(uri, "race"), 6)
 
 
 PREPARE_AT = """

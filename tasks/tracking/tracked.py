@@ -216,11 +216,15 @@ def attached_run(uri: str, run_id: str, workdir: str | Path) -> TrackedRun:
     return TrackedRun(client, run_id, run.info.experiment_id, Path(workdir).resolve())
 
 
+DUPLICATE_ROW = ("UNIQUE constraint failed", "duplicate key value violates unique constraint")  # SQLite, PostgreSQL
+
+
 def log_dataset(ds: dict, attempts: int = 5) -> None:
     """The dataset as the active run's input, retried when a concurrent run inserted it first.
 
     MLflow's SQL store looks the (experiment, name, digest) row up and then inserts it, so two
-    runs starting together can both miss it and the second insert fails the UNIQUE constraint.
+    runs starting together can both miss it and the second insert fails the UNIQUE constraint
+    (SQLite's words, or PostgreSQL's through a tracking server).
     """
     from mlflow.data.code_dataset_source import CodeDatasetSource
     from mlflow.data.meta_dataset import MetaDataset
@@ -231,6 +235,6 @@ def log_dataset(ds: dict, attempts: int = 5) -> None:
         try:
             return mlflow.log_input(meta, context="training", tags={"samples": str(ds["num_samples"])})
         except mlflow.exceptions.MlflowException as e:
-            if "UNIQUE constraint failed" not in str(e) or attempt == attempts - 1:
+            if not any(m in str(e) for m in DUPLICATE_ROW) or attempt == attempts - 1:
                 raise
             time.sleep(0.05 * (attempt + 1))
