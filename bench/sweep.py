@@ -48,7 +48,7 @@ optuna.logging.set_verbosity(optuna.logging.WARNING)  # here and in the Optuna p
 
 
 def sampler(seed: int, trials: int):
-    """gpuflow's (flows/sweep.py open_study): only the way trials are launched differs."""
+    """gpuflow's (flows/study.py open_study): only the way trials are launched differs."""
     return optuna.samplers.TPESampler(seed=seed, constant_liar=True, n_startup_trials=min(10, max(2, trials // 3)))
 
 

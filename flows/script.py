@@ -121,14 +121,15 @@ def collect_outputs(run: tracked.TrackedRun, patterns: list[str], launched: floa
 
 
 @task(name="register-model", cache_policy=NO_CACHE)
-def register(run: tracked.TrackedRun, outputs: dict, params: ScriptParams) -> str | None:
-    """Register the checkpoint as a model when the script declared its class (helper.declare_model)."""
+def register(run: tracked.TrackedRun, outputs: dict, params: ScriptParams, how: str | None = None) -> str | None:
+    """Register the checkpoint as a model when the script declared its class (helper.declare_model);
+    `how` it was trained goes into the version's description (default: the run)."""
     spec = outputs.get("model_spec")
     if not spec or not outputs.get("weights"):
         get_run_logger().info("no model registered: %s", "the script declared no model (gpuflow.training.helper."
                               "declare_model)" if not spec else "no state dict was found")
         return None
-    description = f"{spec['reference']} trained by {Path(params.script).name} (run {run.run_id})"
+    description = f"{spec['reference']} trained by {Path(params.script).name} {how or f'(run {run.run_id})'}"
     return results.register_model(run, {"model_spec": spec, "weights": outputs["weights"]}, params.registered_model,
                                   str(Path.cwd()), description)
 

@@ -19,356 +19,56 @@ trial's value (a name without a placeholder is appended as `--name=value`); the 
 (helper.report, or its own mlflow.log_metric on rank 0) is read from the run as it arrives, and a
 pruned trial's ranks are stopped by the flow: the script needs no Optuna code.
 
-The study is kept in `storage` (default: optuna.db beside the SQLite tracking store), so a
-sweep stopped by Ctrl-C or a crash continues when started again with the same `study`: its
-finished trials are not run again and a trial cut off is marked failed.
+The study (flows/study.py) is kept, so a sweep stopped by Ctrl-C or a crash continues when
+started again with the same `study`; each trial (flows/trial.py) is a run of the training session.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import socket
-import threading
 import time
-import urllib.parse
-import warnings
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from contextlib import contextmanager
 from contextvars import copy_context
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
 
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
-from gpuflow.tasks.devices.cards import CardLocks, device_slot
-from gpuflow.tasks.devices.probe import EnvironmentReport, probe_environment
-from gpuflow.tasks.launch import Stopped
+from gpuflow.tasks.devices.cards import device_slot
+from gpuflow.tasks.devices.probe import probe_environment
 from gpuflow.tasks.tracking import orphans, results, store, tracked
 from gpuflow.training.contract import RunFolder
-from gpuflow.training.errors import UserError
 
 from .calls import one_line
-from .params import PipelineParams, ScriptParams, SweepParams, flat_parameters
-from .space import Distribution, SweepError, read_space, with_values
-from .prepared import prepared
+from .params import SweepParams, flat_parameters
 from .retrain import compare_with_champion
-from .session import run_tags, training_session
-from .stack import STUDY_VARIABLE
-from .train import dataset_label, train
+from .session import run_tags
+from .space import Distribution, SweepError, read_space
+from .study import (HEARTBEAT_S, best_so_far, counted, default_study, open_study, shown_url, storage_url,
+                    study_name, summarize)
+from .trial import Slot, Slots, Trial, run_trial
 
 CONSECUTIVE_FAILURES = 3  # trials failing in a row stop the sweep: the next would fail the same way
-HEARTBEAT_S = 10  # a RUNNING trial whose heartbeat is older than twice this is stale (Optuna)
-
-
-def study_name(params: SweepParams) -> str:
-    return params.study or default_study(params.model_dump())
-
-
-def default_study(p: dict) -> str:
-    """sweep-<script> for a script's sweep, else sweep-<model>-<dataset>."""
-    if p.get("script"):
-        return f"sweep-{Path(p['script']).stem}"
-    return f"sweep-{dataset_label(p.get('model', 'mlp'))}-{dataset_label(p.get('dataset', 'digits'))}"
-
-
-def storage_url(params: SweepParams) -> str:
-    """The study's storage: as given; else optuna.db beside a SQLite tracking store; else the team
-    stack's database (which `gpuflow stack` publishes in a Prefect Variable); else optuna.db here."""
-    if params.storage:
-        return params.storage
-    uri = store.absolute_uri(params.tracking_uri)
-    if uri.startswith("sqlite:///"):
-        return f"sqlite:///{Path(uri[len('sqlite:///'):]).parent / 'optuna.db'}"
-    from prefect.variables import Variable
-
-    published = Variable.get(STUDY_VARIABLE, default=None)
-    if not published:
-        return f"sqlite:///{Path.cwd() / 'optuna.db'}"
-    socket_dir = dict(urllib.parse.parse_qsl(urllib.parse.urlsplit(published).query)).get("host", "")
-    if socket_dir.startswith("/") and not Path(socket_dir).is_dir():
-        raise SweepError(f"the team stack keeps studies at {shown_url(published)}, a Unix socket of the stack's "
-                         "own machine; on this machine give storage=<a database URL this machine reaches>")
-    return published
-
-
-def shown_url(url: str) -> str:
-    """A storage URL as logs and tags may show it: without its password."""
-    from sqlalchemy.engine import make_url
-
-    return make_url(url).render_as_string(hide_password=True)
 
 
 def objective_target(params: SweepParams) -> tuple[str, str]:
     """(the metric the trials report and the sweep optimizes, minimize or maximize)."""
-    if params.script:  # the script's own metric (required); its direction by name unless given
-        guess = "minimize" if "loss" in params.optimize else "maximize"
-        return params.optimize, guess if params.direction == "auto" else params.direction
-    monitor, mode = {"classification": ("accuracy", "max"), "model-loss": ("loss", "min")}.get(
-        params.objective, (None, None))
-    if monitor is None:  # the user's own objective: its monitor and mode (user code, as in preflight)
-        from gpuflow.training.objective import load_objective
+    if params.script:  # the script's own metric (required): its direction by its name
+        monitor, mode = None, None
+    else:
+        monitor, mode = {"classification": ("accuracy", "max"), "model-loss": ("loss", "min")}.get(
+            params.objective, (None, None))
+        if monitor is None:  # the user's own objective: its monitor and mode (user code, as in preflight)
+            from gpuflow.training.objective import load_objective
 
-        obj = load_objective(params.objective, str(Path.cwd()))
-        monitor, mode = obj.monitor, obj.mode
+            obj = load_objective(params.objective, str(Path.cwd()))
+            monitor, mode = obj.monitor, obj.mode
     metric = params.optimize if params.optimize != "auto" else f"val_{monitor}"
     if params.direction != "auto":
         return metric, params.direction
-    if params.optimize != "auto" and metric != f"val_{monitor}":
+    if metric != f"val_{monitor}":  # another metric than the objective's monitor: by its name
         mode = "min" if "loss" in metric else "max"
     return metric, "minimize" if mode == "min" else "maximize"
-
-
-# --- where trials run --------------------------------------------------------------------
-
-
-@dataclass
-class Slot:
-    """The devices of one trial: explicit cards ('3,1,'), or one CPU slot held by its lock."""
-
-    label: str
-    gpus: str
-    processes: int = 0  # on the CPU: the trial's DDP processes
-    cards: tuple[int, ...] = ()
-    lock: CardLocks | None = None
-
-
-class Slots:
-    """Trials' devices: groups of `gpus_per_trial` cards that no other gpuflow run holds (the card
-    locks decide, as for any run), or on a host without a GPU, CPU slots (lock files in the same
-    folder: `<host>-cpu<k>.lock`). A card or slot held elsewhere is never given: the sweep waits."""
-
-    def __init__(self, params: SweepParams, report: EnvironmentReport):
-        self.params, self.report = params, report
-        visible = report.visible_physical_ids()
-        self.gpu = bool(visible) and params.gpus != "cpu"
-        self.per_trial = params.gpus_per_trial if self.gpu else (params.cpu_processes or 1)
-        if self.gpu:
-            named = [int(p) for p in params.gpus.split(",") if p] if "," in params.gpus else None
-            self.pool = named or visible
-            capacity = len(self.pool) // self.per_trial
-            what = f"{len(self.pool)} GPUs ({params.gpus_per_trial} per trial)"
-        else:
-            self.pool = list(range((os.cpu_count() or 1) // self.per_trial))
-            capacity = len(self.pool)
-            what = f"{os.cpu_count()} CPUs ({self.per_trial} process(es) per trial)"
-        if capacity < 1:
-            raise SweepError(f"gpus_per_trial={self.per_trial} is more than the {what}; ask for fewer per trial")
-        want = capacity if params.parallel == "auto" else int(params.parallel)
-        if want > capacity:
-            raise SweepError(f"parallel={params.parallel} trials do not fit on {what}: at most {capacity} "
-                             "run at a time; lower parallel or gpus_per_trial")
-        self.parallel = want
-        self.busy: set[int] = set()
-        self._mutex = threading.Lock()
-
-    def take(self) -> Slot | None:
-        """A free slot, or None while every one is in use here or held by another run."""
-        with self._mutex:
-            return self._take_gpus() if self.gpu else self._take_cpu()
-
-    def _take_cpu(self) -> Slot | None:
-        for k in self.pool:
-            if k in self.busy:
-                continue
-            lock = CardLocks(ranks_wait_s=0)
-            if lock.try_lock(f"{socket.gethostname()}-cpu{k}"):
-                self.busy.add(k)
-                return Slot(f"cpu{k}", "cpu", self.per_trial, (k,), lock)
-        return None
-
-    def _take_gpus(self) -> Slot | None:
-        held = CardLocks(ranks_wait_s=0).held_elsewhere(self.report)
-        free = [i for i in self.pool if i not in self.busy and i not in held]
-        if len(free) < self.per_trial:
-            return None
-        cards = tuple(free[:self.per_trial])
-        self.busy.update(cards)
-        return Slot("gpu" + ",".join(map(str, cards)), ",".join(map(str, cards)) + ",", 0, cards)
-
-    def give_back(self, slot: Slot) -> None:
-        with self._mutex:
-            if slot.lock is not None:
-                slot.lock.release()
-            self.busy.difference_update(slot.cards)
-
-
-# --- the study ---------------------------------------------------------------------------
-
-
-def open_study(params: SweepParams, direction: str, url: str):
-    """The study, created or loaded in `url`; trials left RUNNING by a sweep that is gone are failed
-    (this host's by their owner's pid, others' by their stale heartbeat)."""
-    import optuna
-
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    # heartbeats are what makes a crashed sweep's trials fail (not leave zombies): used on purpose
-    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
-    warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
-    kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
-    storage = optuna.storages.RDBStorage(url, engine_kwargs=kwargs, heartbeat_interval=HEARTBEAT_S)
-    sampler = optuna.samplers.TPESampler(seed=params.sampler_seed, constant_liar=True,
-                                         n_startup_trials=min(10, max(2, params.trials // 3)))
-    pruner = (optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=0) if params.pruner == "median"
-              else optuna.pruners.NopPruner())
-    study = optuna.create_study(storage=storage, study_name=study_name(params), direction=direction,
-                                sampler=sampler, pruner=pruner, load_if_exists=True)
-    if study.direction.name.lower() != direction:
-        raise SweepError(f"study {study_name(params)!r} in {shown_url(url)} was created to {study.direction.name.lower()}, "
-                         f"not {direction}; name a new study")
-    cut_off_orphans(study)
-    optuna.storages.fail_stale_trials(study)
-    return study
-
-
-def cut_off_orphans(study) -> None:
-    from optuna.trial import TrialState
-
-    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        owner = t.user_attrs.get("owner") or {}
-        if owner.get(orphans.OWNER_HOST) == socket.gethostname() and not orphans.owner_alive(owner):
-            study._storage.set_trial_user_attr(t._trial_id, "cut_off", "its sweep process is gone")
-            study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
-
-
-def counted(study) -> int:
-    """Trials that count against the budget: finished, pruned, or failed on their own (not cut off)."""
-    from optuna.trial import TrialState
-
-    return sum(1 for t in study.get_trials(deepcopy=False)
-               if t.state in (TrialState.COMPLETE, TrialState.PRUNED)
-               or (t.state == TrialState.FAIL and "cut_off" not in t.user_attrs))
-
-
-# --- one trial ---------------------------------------------------------------------------
-
-
-@dataclass
-class Trial:
-    """A trial on its way: the Optuna trial, its slot, the values and how it is stopped."""
-
-    trial: Any
-    slot: Slot
-    values: dict
-    stop: threading.Event = field(default_factory=threading.Event)
-    pruned_at: int | None = None
-    missing: list[str] | None = None
-    run_id: str | None = None
-
-
-def trial_tags(t: Trial, parent_id: str, study_name: str) -> dict:
-    return {"mlflow.parentRunId": parent_id, "sweep.study": study_name, "sweep.trial": t.trial.number,
-            "sweep.slot": t.slot.label}
-
-
-def reporter(t: Trial, params: SweepParams, metric: str):
-    """The trial's per-epoch report to Optuna: pruned (its launch stopped) when the pruner says so."""
-
-    def report(step: int, metrics: dict) -> None:
-        if metric not in metrics:
-            t.missing = sorted(k for k in metrics if k.startswith("val_"))
-            t.stop.set()
-            return
-        t.trial.report(metrics[metric], step)
-        if params.pruner != "none" and t.trial.should_prune():
-            t.pruned_at = step
-            t.stop.set()
-
-    return report
-
-
-def run_trial(t: Trial, params: SweepParams, parent_id: str, metric: str, study_name: str) -> float:
-    """One trial as one run of the training session, nested under the sweep's run; its per-epoch
-    metric reported to the pruner as the relay logs it. Returns the metric's final value, or None
-    when pruned (its run FINISHED, tagged sweep.pruned); a trial stopped with its sweep is KILLED."""
-    if params.script:
-        return run_script_trial(t, params, parent_id, metric, study_name)
-    number = t.trial.number
-    trial_params = PipelineParams.model_validate(with_values(params.pipeline(), t.values) | {
-        "gpus": t.slot.gpus, "cpu_processes": t.slot.processes,
-        "run_name": f"{study_name}-t{number}"})
-    report = reporter(t, params, metric)
-    tags = trial_tags(t, parent_id, study_name) | {"dataset": trial_params.dataset, "model": trial_params.model}
-    with training_session(trial_params, trial_params.batch_size, trial_params.precision, slot=False) as s:
-        data = prepared(trial_params, s)
-        with s.run("trial", tags, trial_params.world_size(s.plan), data.model_dump(mode="json"),
-                   name=trial_params.run_name) as run:
-            t.run_id = run.run_id
-            t.trial.set_user_attr("mlflow_run_id", run.run_id)
-            result = train(trial_params, s, data, RunFolder(run.workdir), run, report, t.stop)
-            if result.get("stopped"):
-                if t.missing is not None:
-                    raise SweepError(f"optimize={metric!r}: the trial's epochs report no such metric (they "
-                                     f"report {', '.join(t.missing)}); use one of those")
-                if t.pruned_at is None:
-                    raise Stopped()  # the sweep is being stopped
-                run.client.set_tag(run.run_id, "sweep.pruned", f"after epoch {t.pruned_at}")
-                return None
-            results.log_results(run, result, None, str(Path.cwd()), "")
-    value = result["final_metrics"].get(metric)
-    if value is None:
-        raise SweepError(f"optimize={metric!r}: the trial's final metrics have no such value")
-    return float(value)
-
-
-def run_script_trial(t: Trial, params: SweepParams, parent_id: str, metric: str, study_name: str) -> float:
-    """A script's trial: the script run as train-script runs it, with the trial's values in its
-    arguments; the metric it logs (helper.report or its own mlflow.log_metric) read from the run
-    as it arrives, for the pruner, which stops its ranks itself. Its outputs (checkpoint, declared
-    model) are kept in the run folder's result file, for registering the best."""
-    from .script import run_script
-
-    trial_params = ScriptParams.model_validate(params.script_params(t.values) | {
-        "gpus": t.slot.gpus, "cpu_processes": t.slot.processes, "run_name": f"{study_name}-t{t.trial.number}"})
-    tags = trial_tags(t, parent_id, study_name) | {"script": trial_params.script}
-    with training_session(trial_params, slot=False) as s, \
-            s.run(Path(trial_params.script).stem, tags, s.plan.nproc_per_node, name=trial_params.run_name) as run:
-        t.run_id = run.run_id
-        t.trial.set_user_attr("mlflow_run_id", run.run_id)
-        run.log_params(trial_params.run_params(s.plan))
-        try:
-            with watching(run, metric, reporter(t, params, metric)):
-                outputs = run_script(trial_params, s, run, stop=t.stop)
-        except Stopped:
-            if t.pruned_at is None:
-                raise
-            run.client.set_tag(run.run_id, "sweep.pruned", f"after epoch {t.pruned_at}")
-            return None
-        RunFolder(run.workdir).result.write_text(json.dumps(outputs))
-        logged = run.client.get_run(run.run_id).data.metrics
-    if metric not in logged:
-        raise SweepError(f"optimize={metric!r}: the script logged no such metric (it logged "
-                         f"{', '.join(sorted(logged)) or 'none'}); report it with helper.report or "
-                         "mlflow.log_metric, or optimize one of those")
-    return float(logged[metric])
-
-
-@contextmanager
-def watching(run: tracked.TrackedRun, metric: str, report, interval: float = 1.0):
-    """Read `metric`'s values from the run while the block runs (whoever logs them: the relay or
-    the script itself) and give each new one to `report`; the k-th value is epoch k."""
-    done = threading.Event()
-
-    def poll() -> None:
-        seen = 0
-        while not done.wait(interval):
-            history = sorted(run.client.get_metric_history(run.run_id, metric), key=lambda m: (m.step, m.timestamp))
-            for k, m in enumerate(history[seen:], start=seen):
-                report(k, {metric: m.value})
-            seen = len(history)
-
-    watcher = threading.Thread(target=poll, name="gpuflow-trial-metric", daemon=True)
-    watcher.start()
-    try:
-        yield
-    finally:
-        done.set()
-        watcher.join()
-
-
-# --- the sweep ---------------------------------------------------------------------------
 
 
 def sweep_run_name() -> str:
@@ -413,7 +113,7 @@ def sweep(params: SweepParams) -> dict:
             summary |= register_best(params, client, summary, name)
             for k in ("model_version", "promoted"):
                 parent.client.set_tag(parent.run_id, f"sweep.{k}", str(summary.get(k)))
-    log.info("sweep %s: %s", name, {k: v for k, v in summary.items() if k != "trials_table"})
+    log.info("sweep %s: %s", name, summary)
     return {"run_id": parent.run_id, "study": name, **summary}
 
 
@@ -437,8 +137,8 @@ def run_trials(study, space: dict[str, Distribution], params: SweepParams, slots
     failures, waiting_since, last_beat = 0, None, 0.0
     pool = ThreadPoolExecutor(max_workers=slots.parallel, thread_name_prefix="gpuflow-trial")
     try:
-        while counted(study) + len(running) < params.trials or running:
-            if counted(study) + len(running) < params.trials and len(running) < slots.parallel:
+        while (wanted := params.trials - counted(study) - len(running)) > 0 or running:
+            if wanted > 0 and len(running) < slots.parallel:
                 slot = slots.take()
                 if slot is None:
                     if not running and waiting_since is None:
@@ -478,13 +178,6 @@ def run_trials(study, space: dict[str, Distribution], params: SweepParams, slots
         pool.shutdown(wait=True)
 
 
-def best_so_far(study) -> str:
-    try:
-        return f"trial {study.best_trial.number}, {study.best_value:.6g}"
-    except ValueError:  # no trial has finished yet
-        return "none yet"
-
-
 def start_trial(study, space: dict[str, Distribution], slot: Slot) -> Trial:
     """Ask Optuna for a trial (its first heartbeat at once: a crash now leaves no zombie)."""
     trial = study.ask()
@@ -515,58 +208,6 @@ def tell(study, t: Trial, fut: Future, log):
     return TrialState.FAIL
 
 
-def summarize(study, parent: tracked.TrackedRun, metric: str) -> dict:
-    """The parent run's table of trials, best params and score, and the plots a user looks at."""
-    from optuna.trial import TrialState
-
-    complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-    table = study.trials_dataframe(attrs=("number", "value", "params", "state", "duration", "user_attrs"))
-    with tempfile_path("trials.csv") as p:
-        table.to_csv(p, index=False)
-        parent.client.log_artifact(parent.run_id, str(p), "sweep")
-    states = {s.name.lower(): n for s in TrialState if (n := sum(1 for t in study.trials if t.state == s))}
-    parent.log_metrics({f"sweep.trials_{k}": v for k, v in states.items()})
-    if not complete:
-        return {"best_run_id": None, "trials": states}
-    best = study.best_trial
-    parent.log_metrics({f"best_{metric}": best.value})
-    parent.log_params({f"best.{k}": v for k, v in best.params.items()} | {"best.trial": best.number})
-    plots(study, parent)
-    return {"best_trial": best.number, "best_value": best.value, "best_params": best.params,
-            "best_run_id": best.user_attrs.get("mlflow_run_id"), "trials": states}
-
-
-@contextmanager
-def tempfile_path(name: str):
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as d:
-        yield Path(d) / name
-
-
-def plots(study, parent: tracked.TrackedRun) -> None:
-    """Optimisation history, parameter importances and parallel coordinates, as images."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from optuna.visualization import matplotlib as vis
-
-    for name, draw in (("optimization_history", vis.plot_optimization_history),
-                       ("param_importances", vis.plot_param_importances),
-                       ("parallel_coordinate", vis.plot_parallel_coordinate)):
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                ax = draw(study)
-            fig = (ax.flat[0] if hasattr(ax, "flat") else ax).figure
-            fig.set_size_inches(9, 5)
-            parent.client.log_figure(parent.run_id, fig, f"sweep/{name}.png")
-            plt.close(fig)
-        except Exception as e:  # noqa: BLE001 - too few trials for importances, say: the rest still log
-            get_run_logger().info("sweep plot %s not drawn: %s", name, one_line(e))
-
-
 def register_best(params: SweepParams, client, summary: dict, name: str) -> dict:
     """Register the best trial's model and put it through the champion/challenger comparison."""
     run_id = summary["best_run_id"]
@@ -584,25 +225,23 @@ def register_best(params: SweepParams, client, summary: dict, name: str) -> dict
 
 def register_best_script(params: SweepParams, client, run: tracked.TrackedRun, outputs: dict, summary: dict,
                          name: str) -> dict:
-    """A script's best model (when it declared one), registered; promoted only while there is no
-    champion: gpuflow cannot evaluate a script's model on the champion's data, so it never replaces
-    one without that comparison (the version's outcome tag says so)."""
-    log = get_run_logger()
-    if not outputs.get("model_spec") or not outputs.get("weights"):
-        log.info("sweep %s: no model registered: the best trial's script declared no model "
-                 "(gpuflow.training.helper.declare_model) or saved no state dict", name)
-        return {"model_version": None, "promoted": False}
+    """A script's best model (when it declared one), registered as train-script registers it;
+    promoted only while there is no champion: gpuflow cannot evaluate a script's model on the
+    champion's data, so it never replaces one without that comparison (the outcome tag says so)."""
     from gpuflow.tasks.tracking.registry import champion_version, promote
+    from gpuflow.tasks.tracking.results import OUTCOME_TAG
 
-    version = results.register_model(run, {"model_spec": outputs["model_spec"], "weights": outputs["weights"]},
-                                     params.registered_model, str(Path.cwd()),
-                                     f"{outputs['model_spec']['reference']} trained by {Path(params.script).name}: "
-                                     f"best trial {summary['best_trial']} of sweep {name} ({summary['best_params']})")
+    from .script import register
+
+    version = register(run, outputs, params, f"(run {run.run_id}): best trial {summary['best_trial']} of sweep "
+                       f"{name} ({summary['best_params']})")
+    if version is None:
+        return {"model_version": None, "promoted": False}
     champion = champion_version(client, params.registered_model)
     promoted = champion is None
     if promoted:
         promote(client, params.registered_model, version)
-    client.set_model_version_tag(params.registered_model, version, results.OUTCOME_TAG,
+    client.set_model_version_tag(params.registered_model, version, OUTCOME_TAG,
                                  "promoted: no champion before" if promoted else
                                  f"not compared: champion v{champion} kept (a script's model has no gpuflow "
                                  "evaluation; compare them and move the alias yourself)")

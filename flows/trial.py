@@ -1,0 +1,223 @@
+"""One trial of a sweep: the devices it runs on (a slot of cards, or of CPU processes, that no
+other gpuflow run holds) and the trial itself, one more launcher of the training session (the
+same device plan, card locks, MLflow handling and failure lines as a single run), its per-epoch
+metric reported to Optuna's pruner as it arrives.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gpuflow.tasks.devices.cards import CardLocks
+from gpuflow.tasks.devices.probe import EnvironmentReport
+from gpuflow.tasks.launch import Stopped
+from gpuflow.tasks.tracking import results, tracked
+from gpuflow.training.contract import RunFolder
+
+from .params import PipelineParams, ScriptParams, SweepParams
+from .prepared import prepared
+from .session import training_session
+from .space import SweepError, with_values
+from .train import train
+
+@dataclass
+class Slot:
+    """The devices of one trial: explicit cards ('3,1,'), or one CPU slot held by its lock."""
+
+    label: str
+    gpus: str
+    processes: int = 0  # on the CPU: the trial's DDP processes
+    cards: tuple[int, ...] = ()
+    lock: CardLocks | None = None
+
+
+class Slots:
+    """Trials' devices: groups of `gpus_per_trial` cards that no other gpuflow run holds (the card
+    locks decide, as for any run), or on a host without a GPU, CPU slots (lock files in the same
+    folder: `<host>-cpu<k>.lock`). A card or slot held elsewhere is never given: the sweep waits."""
+
+    def __init__(self, params: SweepParams, report: EnvironmentReport):
+        self.params, self.report = params, report
+        visible = report.visible_physical_ids()
+        self.gpu = bool(visible) and params.gpus != "cpu"
+        self.per_trial = params.gpus_per_trial if self.gpu else (params.cpu_processes or 1)
+        if self.gpu:
+            named = [int(p) for p in params.gpus.split(",") if p] if "," in params.gpus else None
+            self.pool = named or visible
+            capacity = len(self.pool) // self.per_trial
+            what = f"{len(self.pool)} GPUs ({params.gpus_per_trial} per trial)"
+        else:
+            self.pool = list(range((os.cpu_count() or 1) // self.per_trial))
+            capacity = len(self.pool)
+            what = f"{os.cpu_count()} CPUs ({self.per_trial} process(es) per trial)"
+        if capacity < 1:
+            raise SweepError(f"gpus_per_trial={self.per_trial} is more than the {what}; ask for fewer per trial")
+        want = capacity if params.parallel == "auto" else int(params.parallel)
+        if want > capacity:
+            raise SweepError(f"parallel={params.parallel} trials do not fit on {what}: at most {capacity} "
+                             "run at a time; lower parallel or gpus_per_trial")
+        self.parallel = want
+        self.busy: set[int] = set()
+        self._mutex = threading.Lock()
+
+    def take(self) -> Slot | None:
+        """A free slot, or None while every one is in use here or held by another run."""
+        with self._mutex:
+            return self._take_gpus() if self.gpu else self._take_cpu()
+
+    def _take_cpu(self) -> Slot | None:
+        for k in self.pool:
+            if k in self.busy:
+                continue
+            lock = CardLocks(ranks_wait_s=0)
+            if lock.try_lock(f"{socket.gethostname()}-cpu{k}"):
+                self.busy.add(k)
+                return Slot(f"cpu{k}", "cpu", self.per_trial, (k,), lock)
+        return None
+
+    def _take_gpus(self) -> Slot | None:
+        held = CardLocks(ranks_wait_s=0).held_elsewhere(self.report)
+        free = [i for i in self.pool if i not in self.busy and i not in held]
+        if len(free) < self.per_trial:
+            return None
+        cards = tuple(free[:self.per_trial])
+        self.busy.update(cards)
+        return Slot("gpu" + ",".join(map(str, cards)), ",".join(map(str, cards)) + ",", 0, cards)
+
+    def give_back(self, slot: Slot) -> None:
+        with self._mutex:
+            if slot.lock is not None:
+                slot.lock.release()
+            self.busy.difference_update(slot.cards)
+
+
+@dataclass
+class Trial:
+    """A trial on its way: the Optuna trial, its slot, the values and how it is stopped."""
+
+    trial: Any
+    slot: Slot
+    values: dict
+    stop: threading.Event = field(default_factory=threading.Event)
+    pruned_at: int | None = None
+    missing: list[str] | None = None
+    run_id: str | None = None
+
+
+def trial_tags(t: Trial, parent_id: str, study_name: str) -> dict:
+    return {"mlflow.parentRunId": parent_id, "sweep.study": study_name, "sweep.trial": t.trial.number,
+            "sweep.slot": t.slot.label}
+
+
+def reporter(t: Trial, params: SweepParams, metric: str):
+    """The trial's per-epoch report to Optuna: pruned (its launch stopped) when the pruner says so."""
+
+    def report(step: int, metrics: dict) -> None:
+        if metric not in metrics:
+            t.missing = sorted(k for k in metrics if k.startswith("val_"))
+            t.stop.set()
+            return
+        t.trial.report(metrics[metric], step)
+        if params.pruner != "none" and t.trial.should_prune():
+            t.pruned_at = step
+            t.stop.set()
+
+    return report
+
+
+def run_trial(t: Trial, params: SweepParams, parent_id: str, metric: str, study_name: str) -> float:
+    """One trial as one run of the training session, nested under the sweep's run; its per-epoch
+    metric reported to the pruner as the relay logs it. Returns the metric's final value, or None
+    when pruned (its run FINISHED, tagged sweep.pruned); a trial stopped with its sweep is KILLED."""
+    if params.script:
+        return run_script_trial(t, params, parent_id, metric, study_name)
+    number = t.trial.number
+    trial_params = PipelineParams.model_validate(with_values(params.pipeline(), t.values) | {
+        "gpus": t.slot.gpus, "cpu_processes": t.slot.processes,
+        "run_name": f"{study_name}-t{number}"})
+    report = reporter(t, params, metric)
+    tags = trial_tags(t, parent_id, study_name) | {"dataset": trial_params.dataset, "model": trial_params.model}
+    with training_session(trial_params, trial_params.batch_size, trial_params.precision, slot=False) as s:
+        data = prepared(trial_params, s)
+        with s.run("trial", tags, trial_params.world_size(s.plan), data.model_dump(mode="json"),
+                   name=trial_params.run_name) as run:
+            t.run_id = run.run_id
+            t.trial.set_user_attr("mlflow_run_id", run.run_id)
+            result = train(trial_params, s, data, RunFolder(run.workdir), run, report, t.stop)
+            if result.get("stopped"):
+                if t.missing is not None:
+                    raise SweepError(f"optimize={metric!r}: the trial's epochs report no such metric (they "
+                                     f"report {', '.join(t.missing)}); use one of those")
+                if t.pruned_at is None:
+                    raise Stopped()  # the sweep is being stopped
+                run.client.set_tag(run.run_id, "sweep.pruned", f"after epoch {t.pruned_at}")
+                return None
+            results.log_results(run, result, None, str(Path.cwd()), "")
+    value = result["final_metrics"].get(metric)
+    if value is None:
+        raise SweepError(f"optimize={metric!r}: the trial's final metrics have no such value")
+    return float(value)
+
+
+def run_script_trial(t: Trial, params: SweepParams, parent_id: str, metric: str, study_name: str) -> float:
+    """A script's trial: the script run as train-script runs it, with the trial's values in its
+    arguments; the metric it logs (helper.report or its own mlflow.log_metric) read from the run
+    as it arrives, for the pruner, which stops its ranks itself. Its outputs (checkpoint, declared
+    model) are kept in the run folder's result file, for registering the best."""
+    from .script import run_script
+
+    trial_params = ScriptParams.model_validate(params.script_params(t.values) | {
+        "gpus": t.slot.gpus, "cpu_processes": t.slot.processes, "run_name": f"{study_name}-t{t.trial.number}"})
+    tags = trial_tags(t, parent_id, study_name) | {"script": trial_params.script}
+    with training_session(trial_params, slot=False) as s, \
+            s.run(Path(trial_params.script).stem, tags, s.plan.nproc_per_node, name=trial_params.run_name) as run:
+        t.run_id = run.run_id
+        t.trial.set_user_attr("mlflow_run_id", run.run_id)
+        run.log_params(trial_params.run_params(s.plan))
+        try:
+            with watching(run, metric, reporter(t, params, metric)):
+                outputs = run_script(trial_params, s, run, stop=t.stop)
+        except Stopped:
+            if t.pruned_at is None:
+                raise
+            run.client.set_tag(run.run_id, "sweep.pruned", f"after epoch {t.pruned_at}")
+            return None
+        RunFolder(run.workdir).result.write_text(json.dumps(outputs))
+        logged = run.client.get_run(run.run_id).data.metrics
+    if metric not in logged:
+        raise SweepError(f"optimize={metric!r}: the script logged no such metric (it logged "
+                         f"{', '.join(sorted(logged)) or 'none'}); report it with helper.report or "
+                         "mlflow.log_metric, or optimize one of those")
+    return float(logged[metric])
+
+
+@contextmanager
+def watching(run: tracked.TrackedRun, metric: str, report, interval: float = 1.0):
+    """Read `metric`'s values from the run while the block runs (whoever logs them: the relay or
+    the script itself) and give each new one to `report`; the k-th value is epoch k."""
+    done = threading.Event()
+
+    def poll() -> None:
+        seen = 0
+        while not done.wait(interval):
+            history = sorted(run.client.get_metric_history(run.run_id, metric), key=lambda m: (m.step, m.timestamp))
+            for k, m in enumerate(history[seen:], start=seen):
+                report(k, {metric: m.value})
+            seen = len(history)
+
+    watcher = threading.Thread(target=poll, name="gpuflow-trial-metric", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join()
+
+
