@@ -4,7 +4,8 @@ node of a placed run take alike."""
 from __future__ import annotations
 
 from gpuflow.tasks.data import DatasetInfo, prepare_dataset
-from gpuflow.tasks.launch import TrainingFailed, preflight
+from gpuflow.tasks.launch import TrainingFailed
+from gpuflow.tasks.preflight import preflight
 from gpuflow.training.errors import UserError
 
 from .params import PipelineParams, worker_config

@@ -17,7 +17,7 @@ from typing import Any
 
 from gpuflow.tasks.devices.cards import CardLocks
 from gpuflow.tasks.devices.probe import EnvironmentReport
-from gpuflow.tasks.launch import Stopped
+from gpuflow.tasks.child import Stopped
 from gpuflow.tasks.tracking import results, tracked
 from gpuflow.training.contract import RunFolder
 

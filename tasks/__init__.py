@@ -7,6 +7,8 @@
              RUNNING by a dead flow (orphans), results and the registered model (results,
              registered_model: the pyfunc loader, requirements), champion/challenger (registry)
   data       the data step: prepare or reuse the dataset once, before any rank starts
-  launch     the launch step: the worker or a user's script under torchrun, and the preflight
+  preflight  the preflight step: what would fail the launch, checked before any MLflow run starts
+  launch     the launch step: the worker or a user's script under torchrun
+  child      a child process of the flow under the reaper: its lines streamed, stopped in order
   scriptout  a user's script's outputs: files, logs and its checkpoint, logged with the run
 """

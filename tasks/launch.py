@@ -1,22 +1,18 @@
 """Launch the worker as a child process: torchrun for DDP, plain python for single and DP.
 
 The child starts with the DevicePlan's environment, so CUDA_VISIBLE_DEVICES and
-CUDA_DEVICE_ORDER take effect before CUDA initialises. Its stdout and stderr are streamed
-line by line (two reader threads: a full pipe can never block the child).
+CUDA_DEVICE_ORDER take effect before CUDA initialises. It runs as a child of the flow
+(tasks/child.py): its lines streamed, stopped in order with all it started.
 """
 
 from __future__ import annotations
 
-import collections
 import json
-import logging
 import os
-import queue
 import re
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -31,13 +27,10 @@ from gpuflow.training.errors import UserError
 from gpuflow.training.contract import (CARD_LOCKS_ENV, CARD_OWNER_ENV, DIST_TIMEOUT_ENV, ERROR_DIR_ENV,
                                        LAUNCH_ATTEMPT_ENV, METRICS_FILE_ENV, OUTPUT_DIR_ENV, PROCESS_GROUP_FILE_ENV,
                                        RunFolder, describe, read_error)
-from gpuflow.training.reaper import grace_seconds, start_supervised
 
+from .child import Stopped, run_child
 from .devices.assign import DevicePlan
 from .devices.cards import rank_lock_files
-
-TAIL_LINES = 40
-
 
 class Launch(BaseModel):
     """The launch part of a flow's parameters (flows/params.py composes it with the others)."""
@@ -121,10 +114,6 @@ class TrainingFailed(RuntimeError):
         self.deterministic = deterministic
 
 
-class Stopped(Exception):
-    """The flow stopped the launch before it ended (a sweep's pruned trial, a stopped sweep)."""
-
-
 def port_in_use(host: str, port: int) -> bool:
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -180,73 +169,6 @@ def check_rendezvous(opts: Nodes) -> None:
     if host in ("127.0.0.1", "localhost", "0.0.0.0", socket.gethostname()) and port_in_use(host, int(port)):
         raise RendezvousError(f"rendezvous port {port} on {host} is already in use; pick another "
                          "rdzv_endpoint port (or stop what listens there)")
-
-
-def _pump(stream, name: str, q: queue.Queue) -> None:
-    for line in iter(stream.readline, ""):
-        q.put((name, line.rstrip("\n")))
-    stream.close()
-    q.put((name, None))
-
-
-def run_child(cmd: list[str], env: dict, cwd: Path, log: logging.Logger | logging.LoggerAdapter,
-              hold_fds: tuple[int, ...] = (), log_file: Path | None = None,
-              stop: threading.Event | None = None) -> tuple[int, list[str]]:
-    """Run cmd, forwarding each output line to `log` (and `log_file`) as it arrives; returns
-    (its exit code, its last lines).
-
-    The child runs under the reaper (training/reaper.py) in a session of its own: a Ctrl-C
-    reaches this process, which stops it in order; when it ends, is stopped, or this process
-    dies, nothing it started is left (SIGTERM, then SIGKILL after the grace period), whatever
-    sessions its processes made and whatever signals they ignore; `hold_fds` (card locks)
-    stay open until then. Setting `stop` stops it the same way and raises Stopped.
-    """
-    tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
-    proc = start_supervised(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, bufsize=1, start_new_session=True, pass_fds=hold_fds)
-    if log_file is not None:
-        log_file.parent.mkdir(parents=True, exist_ok=True)
-    out = open(log_file, "a") if log_file is not None else None
-    q: queue.Queue = queue.Queue()
-    readers = [threading.Thread(target=_pump, args=(s, n, q), daemon=True)
-               for s, n in ((proc.stdout, "stdout"), (proc.stderr, "stderr"))]
-    for t in readers:
-        t.start()
-    try:
-        open_streams = 2
-        while open_streams:
-            try:
-                name, line = q.get(timeout=0.5)
-            except queue.Empty:
-                if stop is not None and stop.is_set():
-                    _terminate(proc)
-                    raise Stopped() from None
-                continue
-            if line is None:
-                open_streams -= 1
-                continue
-            tail.append(line)
-            (log.warning if name == "stderr" and "error" in line.lower() else log.info)(line)
-            if out is not None:
-                out.write(line + "\n")
-        return proc.wait(), list(tail)
-    finally:
-        if proc.poll() is None:  # we are being cancelled or failed: take the whole group down
-            _terminate(proc)
-        if out is not None:
-            out.close()
-
-
-def _terminate(proc: subprocess.Popen) -> None:
-    """SIGTERM to the reaper, which stops everything below it within its grace period."""
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(grace_seconds() + 30)
-    except subprocess.TimeoutExpired:  # not expected: the reaper ends within its grace
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    except ProcessLookupError:
-        pass
 
 
 def error_folder(workdir: Path) -> dict:
@@ -390,38 +312,3 @@ def launch_script(script: str, script_args: list[str], opts: Launch, tracking_ur
     code, tail = run_child(cmd, env, Path.cwd(), log, hold_fds, log_file=folder.log("script.log"), stop=stop)
     if code != 0:
         raise failure(Path(script).name, code, folder.root, tail, "script.log")
-
-
-def check_resume(cfg, num_classes: int | None, input_shape: list[int] | None) -> None:
-    """An explicit resume file must exist, hold only tensors, and fit the model."""
-    if cfg.resume in ("auto", "never"):
-        return
-    from gpuflow.training.builder import build_model
-    from gpuflow.training.checkpoint import CheckpointError, load_file, load_model_state
-
-    payload = load_file(cfg.resume)
-    if "model" not in payload:
-        raise CheckpointError(f"checkpoint {cfg.resume!r} has no 'model' entry; it was not written "
-                              "by gpuflow (keys: " + ", ".join(map(str, list(payload)[:8])) + ")")
-    model = build_model(cfg.model, num_classes, input_shape, cfg.model_args, cfg.code_root)
-    load_model_state(model, payload["model"], source=f"checkpoint {cfg.resume!r}")
-
-
-@task(name="preflight", cache_policy=NO_CACHE)
-def preflight(cfg, opts: Nodes, data, world_size: int = 1) -> int | None:
-    """Fail before any MLflow run starts: bad resume file, rendezvous port already taken, a
-    training split smaller than the world size, and for the user's own model, data or
-    objective, one small batch through them on the CPU (training/preflight.py).
-    Returns the class count the worker trains with."""
-    from .data import check_split
-
-    check_rendezvous(opts)
-    num_classes = data.num_classes
-    if cfg.user_code:
-        from gpuflow.training.preflight import check_user_code
-
-        num_classes = check_user_code(cfg, world_size)["num_classes"]
-    else:
-        check_split(cfg, data.num_samples, world_size)
-    check_resume(cfg, num_classes, data.input_shape)
-    return num_classes

@@ -13,7 +13,7 @@ from PIL import Image
 
 from gpuflow.flows.params import PipelineParams
 from gpuflow.tasks.data import DatasetInfo, describe_dataset
-from gpuflow.tasks.launch import preflight
+from gpuflow.tasks.preflight import preflight
 from gpuflow.training import TrainConfig, datacache
 from gpuflow.training.checkpoint import CheckpointStore
 from gpuflow.training.data import DatasetError

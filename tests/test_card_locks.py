@@ -233,7 +233,8 @@ FLOW = textwrap.dedent(f"""
     from pathlib import Path
     from gpuflow.tasks.devices.assign import DevicePlan
     from gpuflow.tasks.devices.cards import card_locks
-    from gpuflow.tasks.launch import child_environment, run_child
+    from gpuflow.tasks.child import run_child
+    from gpuflow.tasks.launch import child_environment
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
     plan = DevicePlan(strategy="ddp", backend="gloo", device="cuda", nproc_per_node=1, physical_ids=[0],
                       uuids=[{UUID!r}])

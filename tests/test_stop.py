@@ -111,7 +111,7 @@ HOLDER = textwrap.dedent("""
     from pathlib import Path
     from gpuflow.tasks.devices.assign import DevicePlan
     from gpuflow.tasks.devices.cards import CardLocks
-    from gpuflow.tasks.launch import run_child
+    from gpuflow.tasks.child import run_child
     plan = DevicePlan(strategy="single", backend="nccl", device="cuda", nproc_per_node=1, physical_ids=[0],
                       uuids=["GPU-fake-0"])
     locks = CardLocks(Path(sys.argv[1]))

@@ -13,7 +13,8 @@ from prefect.cache_policies import NO_CACHE
 from gpuflow.training.errors import UserError
 
 from ..devices.assign import DevicePlan
-from ..launch import child_environment, run_child
+from ..child import run_child
+from ..launch import child_environment
 
 CHAMPION = "champion"
 

@@ -35,7 +35,7 @@ def status_for(exc: BaseException | None) -> str:
     """FINISHED without an error; KILLED for a stop from outside (signal, cancel); else FAILED."""
     from prefect.exceptions import Abort, TerminationSignal
 
-    from gpuflow.tasks.launch import Stopped
+    from gpuflow.tasks.child import Stopped
 
     if exc is None:
         return "FINISHED"
