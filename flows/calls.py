@@ -1,6 +1,7 @@
 """What every gpuflow flow does when it is called, whoever calls it: the `gpuflow` CLI, a
 deployment, or a Prefect user's own flow (`train_pipeline(...)` as a subflow).
 
+- In a served deployment's run, everything the values name passes the operator's door first.
 - Bad values are refused as one line naming each value (`InvalidParameters`, a `UserError`),
   not as pydantic's multi-line report.
 - MLflow's INFO chatter and artifact progress bars stay out unless asked for
@@ -70,7 +71,12 @@ def warn_on_prefects_temporary_api() -> None:
 
 
 def entered(model: type[BaseModel], values: dict) -> BaseModel:
-    """A flow's first step: its parameters validated, and the same defaults for every caller."""
+    """A flow's first step: in a served run, the operator's door (flows/allow.py) on the values as
+    sent, before validation reads a file or imports code; then its parameters validated, and the
+    same defaults for every caller."""
+    from .allow import check_allowed
+
+    check_allowed(values)
     params = validated(model, values)
     quiet_libraries()
     warn_on_prefects_temporary_api()

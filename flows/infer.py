@@ -21,7 +21,6 @@ from gpuflow.tasks.devices.cards import card_locks
 from gpuflow.tasks.devices.probe import probe_environment, read_environment
 from gpuflow.tasks.tracking.registry import checkpoint_of, evaluate_checkpoint, resolve_version, run_on_device
 
-from .allow import check_allowed
 from .params import EvaluateParams, InferParams, flat_parameters
 
 
@@ -30,7 +29,6 @@ from .params import EvaluateParams, InferParams, flat_parameters
 @flat_parameters(EvaluateParams)
 def evaluate_model(params: EvaluateParams) -> dict:
     """Load a model version (or a checkpoint) onto one assigned device and report its loss and metrics."""
-    check_allowed(params)
     plan = one_device_plan(probe_environment(), params.gpus)
     with card_locks(plan) as locks, tempfile.TemporaryDirectory() as d:  # the card is ours, as training's is
         ck, version = model_checkpoint(params, Path(d))

@@ -37,7 +37,6 @@ from gpuflow.tasks.tracking.store import absolute_uri
 from gpuflow.training.contract import NODE_ADDR_ENV, NODE_DIR_ENV, RunFolder
 from gpuflow.training.errors import UserError
 
-from .allow import check_allowed
 from .params import PipelineParams, flat_parameters, worker_config
 from .prepared import prepared
 from .session import current_name, plan_tags, run_tags, training_session
@@ -79,7 +78,6 @@ def place(params, stem: str, tags: dict, flow_name: str) -> dict:
     started and watched until every one has ended."""
     from prefect.variables import Variable
 
-    check_allowed(params)
     log = get_run_logger()
     machines = ready_queues(params.node_pool, params.nodes)
     job = flow_run.get_id() or os.urandom(8).hex()

@@ -26,6 +26,7 @@ from gpuflow.tasks.launch import Launch, Nodes, Placement
 from gpuflow.training.config import TrainConfig, Training
 from gpuflow.training.contract import RunFolder
 from gpuflow.training.errors import UserError
+from gpuflow.training.policy import check_not_tracking_store
 
 from .calls import entered
 from .space import SweepError, check_metric, check_script_space, check_space, read_space, script_arguments
@@ -275,13 +276,12 @@ class SweepParams(Sweep, RetrainParams):
 
     @model_validator(mode="after")
     def _space_and_cards(self):
-        """The space and the trials' cards, checked before a server starts or a trial runs; in a
-        served run, first what the caller may name and read (the space file, user code)."""
-        from .allow import check_allowed
-
-        check_allowed(self)
+        """The space and the trials' cards, checked before a server starts or a trial runs (in a
+        served run, after the door: flows/calls.py `entered`)."""
         if self.nodes > 1 or self.nnodes > 1:
             raise ValueError("a sweep's trials each run on this machine; drop nodes/nnodes")
+        if self.storage:
+            check_not_tracking_store(self.storage, self.tracking_uri)
         if self.script:
             check_script_space(read_space(self.space), self.script_args, self.space)
             if self.optimize == "auto":

@@ -26,6 +26,7 @@ from gpuflow.tasks.devices.cards import DEVICE_LIMIT, limit_exists
 from gpuflow.training.contract import NODE_DIR_ENV
 from gpuflow.training.errors import UserError
 
+from .allow import hand_on, operator_policy
 from .infer import evaluate_model
 from .nodes import train_node
 from .retrain import retrain
@@ -87,9 +88,7 @@ def main(settings: Settings | None = None) -> None:
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     settings = settings or Settings()
-    # The runs this process starts read the allowlist from its environment (flows/allow.py).
-    os.environ["GPUFLOW_ALLOW_CODE"] = ",".join(sorted(settings.allowed_packages))
-    os.environ["GPUFLOW_ALLOW_PATHS"] = ",".join(map(str, settings.allowed_folders))
+    hand_on(operator_policy(settings))  # the runs this process starts, and their children, apply it
     with temporary_settings(updates={PREFECT_API_URL: PREFECT_API_URL.value() or settings.prefect_api_url}):
         ensure_device_limit()
         interrupt_on_ctrl_c()

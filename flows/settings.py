@@ -34,6 +34,9 @@ class Settings(BaseSettings):
     allow_paths: str = Field("", description="served deployments: comma-separated folders that file references "
                              "and path parameters (data_root, runs_dir, resume, ...) must lie in; default: the "
                              "folder `gpuflow serve` runs in")
+    allow_stores: str = Field("", description="served deployments: comma-separated tracking URIs and sweep "
+                              "storages a run may name besides the operator's own store (MLFLOW_TRACKING_URI, "
+                              "else mlflow.db in serve's folder); none by default")
 
     @property
     def allowed_packages(self) -> set[str]:
@@ -43,6 +46,10 @@ class Settings(BaseSettings):
     def allowed_folders(self) -> list[Path]:
         folders = [Path(p.strip()).expanduser().resolve() for p in self.allow_paths.split(",") if p.strip()]
         return folders or [Path.cwd().resolve()]
+
+    @property
+    def allowed_stores(self) -> list[str]:
+        return [u.strip() for u in self.allow_stores.split(",") if u.strip()]
 
     @property
     def prefect_api_url(self) -> str:

@@ -235,6 +235,7 @@ def test_logging_a_finished_scripts_files_never_raises(tmp_path):
 
 def test_a_served_sweep_reads_its_space_and_keeps_its_study_only_inside_the_allowed_folders(served, tmp_path,
                                                                                              monkeypatch):
+    from gpuflow.flows.calls import entered
     from gpuflow.flows.params import SweepParams
 
     monkeypatch.setenv("GPUFLOW_ALLOW_CODE", "pkgx")
@@ -247,14 +248,15 @@ def test_a_served_sweep_reads_its_space_and_keeps_its_study_only_inside_the_allo
     try:
         for space in (outside, tmp_path / "link.yaml"):
             with pytest.raises(allow.NotAllowed, match="is outside the folders") as refused:
-                SweepParams(space=str(space))
+                entered(SweepParams, {"space": str(space)})  # every flow's parameters pass the door here
             assert "hunter2" not in str(refused.value)
         for storage in ("postgresql+psycopg://attacker@10.0.0.1/db", f"sqlite:///{tmp_path.parent / 'x.db'}"):
             with pytest.raises(allow.NotAllowed, match="storage="):
-                SweepParams(space=str(inside), storage=storage)
+                entered(SweepParams, {"space": str(inside), "storage": storage})
         with pytest.raises(allow.NotAllowed, match="not a path through other objects"):  # nothing imported past it
-            SweepParams(space=str(inside), objective="pkgx.nets:nn.functional.torch.os.system")
-        SweepParams(space=str(inside), model="pkgx.nets:Net", storage=f"sqlite:///{tmp_path / 'optuna.db'}")
+            entered(SweepParams, {"space": str(inside), "objective": "pkgx.nets:nn.functional.torch.os.system"})
+        entered(SweepParams, {"space": str(inside), "model": "pkgx.nets:Net",
+                              "storage": f"sqlite:///{tmp_path / 'optuna.db'}"})
     finally:
         outside.unlink()
     assert not (tmp_path.parent / "x.db").exists()

@@ -115,7 +115,11 @@ def test_a_served_run_names_only_the_packages_and_folders_the_operator_allowed(s
                ("objective=os:system",): "package 'os' is not allowed",
                ("data_root=/etc",): "data_root='/etc' is outside the folders",
                (f"model={escape}", f'model_args={{"command": "touch {marker}"}}'): "not a path through other objects",
-               (f"dataset={escape}", f"data_root=touch {marker}"): "not a path through other objects"}
+               (f"dataset={escape}", f"data_root=touch {marker}"): "not a path through other objects",
+               # the run's records (params, environment report, checkpoint) go to the operator's store alone
+               (f"tracking_uri=sqlite:///{served['base'].parent / 'elsewhere' / 'x.db'}",):
+                   "records to the operator's tracking store",
+               ("tracking_uri=http://127.0.0.1:9",): "records to the operator's tracking store"}
     for bad, message in refused.items():
         given = [arg for value in bad for arg in ("-p", value)]
         out = _prefect(["deployment", "run", "train-pipeline/ddp", *user, *given, "-p", "experiment=refused",
@@ -125,6 +129,32 @@ def test_a_served_run_names_only_the_packages_and_folders_the_operator_allowed(s
         assert state["type"] == "FAILED" and message in state["message"], (bad, state)
     assert not marker.exists()  # the shell command never ran
     assert client.get_experiment_by_name("refused") is None  # refused before any MLflow run
+    assert not (served["base"].parent / "elsewhere").exists()
+
+
+def test_a_served_evaluation_never_runs_the_code_a_registered_checkpoint_names(served, tmp_path):
+    """A version whose checkpoint's config names `os:system` (written by whoever could write to the
+    store): the served evaluate refuses it at the door, in the evaluation child, before importing it."""
+    import torch
+
+    env, api, base = served["env"], served["api"], served["base"]
+    marker = tmp_path / "pwned"
+    evil = {"model": {}, "num_classes": 10, "config": {"model": "os:system", "model_args": {"command": f"id > {marker}"},
+                                                       "dataset": "digits", "code_root": str(base)}}
+    torch.save(evil, tmp_path / "epoch-0001.pt")
+    client = _client(served)
+    exp = client.create_experiment("planted", artifact_location=str(base / "planted-artifacts"))
+    run_id = client.create_run(exp).info.run_id
+    client.log_artifact(run_id, str(tmp_path / "epoch-0001.pt"), "checkpoints")
+    client.set_terminated(run_id)
+    client.create_registered_model("planted")
+    client.create_model_version("planted", f"runs:/{run_id}/checkpoints", run_id=run_id)
+    out = _prefect(["deployment", "run", "evaluate-model/evaluate", "-p", "registered_model=planted", "-p", "version=1",
+                    "-p", "gpus=cpu", "--watch"], env, timeout=300)
+    state = _api(api, f"/flow_runs/{_flow_run_id(out.stdout)}")["state"]
+    assert state["type"] == "FAILED" and "package 'os' is not allowed" in state["message"], state
+    assert "checkpoint epoch-0001.pt: model" in state["message"]
+    assert not marker.exists()  # on main this file held `uid=0(root)`
 
 
 TINY_SCRIPT = """\

@@ -31,6 +31,7 @@ from .builder import build_model
 from .data import TensorData, load_data
 from .errors import UserError
 from .files import write_json_atomic
+from .policy import Policy
 from .objective import (Classification, Totals, apply, batch_len, call_model, concat, load_objective, shapes,
                         split_batch)
 
@@ -44,6 +45,20 @@ def _from_script(payload: dict) -> bool:
     """A checkpoint the train-script flow wrote for a script's declared model: its class
     reference and arguments (`model_spec`), no training config."""
     return "model_spec" in payload and "config" not in payload
+
+
+def _vetted(payload: dict, checkpoint: str) -> dict:
+    """The checkpoint's payload, once what it names (code, folders) passed the served run's policy,
+    when there is one: a store's contents are as untrusted as a caller's parameters."""
+    policy = Policy.from_env()
+    if policy is not None:
+        source = f"checkpoint {os.path.basename(checkpoint)}"
+        if _from_script(payload):
+            spec = payload["model_spec"] if isinstance(payload["model_spec"], dict) else None
+            policy.check_config(spec and {**spec, "code_root": payload.get("code_root")}, source)
+        else:
+            policy.check_config(payload.get("config"), source)
+    return payload
 
 
 def _config(payload: dict, checkpoint: str, **overrides) -> TrainConfig:
@@ -140,7 +155,7 @@ def _where(dev: torch.device) -> dict:
 
 def evaluate(checkpoint: str, split: str = "val", device: str = "auto", batch_size: int = 512,
              **overrides) -> dict:
-    payload = load_file(checkpoint)
+    payload = _vetted(load_file(checkpoint), checkpoint)
     cfg = _config(payload, checkpoint, **overrides)
     bundle = load_data(cfg, fingerprint=False)
     if bundle.input_shape is not None:
@@ -171,7 +186,7 @@ def evaluate(checkpoint: str, split: str = "val", device: str = "auto", batch_si
 def predict(checkpoint: str, inputs: str, device: str = "auto", batch_size: int = 512) -> dict:
     """Class and probabilities for each sample of an inputs file (see load_inputs), or the
     model's outputs ({name: outputs} for a dict output) for an objective of your own."""
-    payload = load_file(checkpoint)
+    payload = _vetted(load_file(checkpoint), checkpoint)
     x = load_inputs(inputs)
     if isinstance(x, torch.Tensor):
         _check_shape(x.shape[1:], payload.get("input_shape"), f"inputs file {inputs!r}", "reshape the inputs to match")

@@ -1,0 +1,167 @@
+"""The served door as an attacker meets it through stores and what comes back from them
+(training/policy.py, flows/allow.py): tracking URIs, study storages parsed as SQLite opens them,
+a checkpoint's config, and a package's __main__. The end-to-end attacks through a real
+`gpuflow serve` are in tests/test_served.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpuflow.flows import allow
+from gpuflow.flows.calls import entered
+from gpuflow.flows.params import EvaluateParams, PipelineParams, SweepParams
+from gpuflow.flows.settings import Settings
+from gpuflow.training.errors import UserError
+from gpuflow.training.policy import POLICY_ENV, Policy, sqlite_file
+
+
+@pytest.fixture
+def served(tmp_path, monkeypatch):
+    """A served run's context: serve's folder is tmp_path/serve, its store mlflow.db there."""
+    home = tmp_path / "serve"
+    (home / "pkgy").mkdir(parents=True)
+    (home / "pkgy" / "__init__.py").write_text("")
+    (home / "pkgy" / "nets.py").write_text("import torch\nclass Net(torch.nn.Linear):\n    pass\n")
+    (home / "pkgy" / "__main__.py").write_text(f"open({str(tmp_path / 'main-ran')!r}, 'w').write('ran')\n"
+                                               "from .nets import Net\n")
+    monkeypatch.chdir(home)
+    monkeypatch.syspath_prepend(str(home))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv(POLICY_ENV, raising=False)
+    monkeypatch.setattr(allow.deployment, "get_id", lambda: "a-deployment-id")
+    yield Settings(allow_code="pkgy", allow_paths=str(home))
+    for name in [m for m in sys.modules if m == "pkgy" or m.startswith("pkgy.")]:
+        del sys.modules[name]
+
+
+OUTSIDE_STORES = ["sqlite:////tmp/elsewhere/x.db", "http://127.0.0.1:1", "https://attacker.example/mlflow",
+                  "postgresql://attacker@10.0.0.1/mlflow", "sqlite:///../outside.db",
+                  "sqlite:///file:/tmp/elsewhere/x.db?uri=true"]
+
+
+@pytest.mark.parametrize("uri", OUTSIDE_STORES)
+def test_a_served_run_cannot_point_its_tracking_store_elsewhere(served, uri):
+    with pytest.raises(allow.NotAllowed, match="tracking_uri=.*records to the operator's tracking store"):
+        allow.check_allowed({"tracking_uri": uri}, served)
+    assert not Path("/tmp/elsewhere").exists()
+
+
+def test_a_served_run_keeps_the_operators_store_or_one_it_allowed_by_name(served):
+    allow.check_allowed({"tracking_uri": f"sqlite:///{Path.cwd() / 'mlflow.db'}"}, served)
+    allow.check_allowed({"tracking_uri": "sqlite:///mlflow.db"}, served)  # the same file, relative
+    allow.check_allowed({"tracking_uri": None}, served)  # unset: the operator's
+    named = Settings(allow_code="pkgy", allow_paths=str(Path.cwd()), allow_stores="http://10.0.0.5:5000")
+    allow.check_allowed({"tracking_uri": "http://10.0.0.5:5000/"}, named)
+    with pytest.raises(allow.NotAllowed):
+        allow.check_allowed({"tracking_uri": "http://10.0.0.5:5001"}, named)
+
+
+@pytest.mark.parametrize("storage, why", [
+    ("sqlite:///file:/tmp/elsewhere/optuna.db?uri=true", "is outside the folders"),  # SQLite opens it as a URI
+    ("sqlite:///file:%2Ftmp%2Felsewhere%2Foptuna.db?uri=true", "is outside the folders"),
+    ("sqlite:///sub/../../outside.db", "is outside the folders"),
+    ("sqlite:///mlflow.db", "is the tracking store's own file"),
+    ("sqlite:///file:mlflow.db?uri=true&mode=rwc", "is the tracking store's own file"),
+    ("postgresql+psycopg://attacker@10.0.0.1/db", "keeps its study in a SQLite file"),
+    ("sqlite://", "keeps its study in a SQLite file"),
+])
+def test_a_served_study_storage_is_judged_by_the_file_sqlite_would_open(served, storage, why):
+    with pytest.raises(UserError, match=why):
+        allow.check_allowed({"storage": storage}, served)
+
+
+def test_sqlite_urls_resolve_to_the_file_sqlite_opens(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert sqlite_file("sqlite:///file:/a/b.db?uri=true&mode=ro") == Path("/a/b.db")
+    assert sqlite_file("sqlite:///file:a%20b.db?uri=true") == tmp_path / "a b.db"
+    assert sqlite_file("sqlite:////x/../y.db") == Path("/y.db")
+    assert sqlite_file("sqlite:///:memory:") is None and sqlite_file("postgresql://h/db") is None
+    assert sqlite_file("sqlite:///file:m?mode=memory&uri=true") is None
+
+
+def test_a_local_sweep_never_keeps_its_study_in_the_tracking_stores_file(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    space = tmp_path / "s.yaml"
+    space.write_text("lr: {type: float, low: 0.001, high: 0.1}\n")
+    with pytest.raises(UserError, match="tracking store's own file"):
+        SweepParams(space=str(space), tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}",
+                    storage=f"sqlite:///file:{tmp_path / 'mlflow.db'}?uri=true")
+    SweepParams(space=str(space), tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}",
+                storage=f"sqlite:///{tmp_path / 'optuna.db'}")
+
+
+def test_a_served_sweep_is_refused_at_the_door_before_its_space_file_is_read(served, tmp_path):
+    secret = tmp_path / "secret.yaml"
+    secret.write_text("password: hunter2\n")
+    with pytest.raises(allow.NotAllowed, match="space=.*is outside the folders") as refused:
+        entered(SweepParams, {"space": str(secret)})
+    assert "hunter2" not in str(refused.value)
+
+
+def test_a_reference_to_a_packages_main_is_refused_before_it_is_imported(served, tmp_path):
+    with pytest.raises(allow.NotAllowed, match="__main__, which runs when imported"):
+        allow.check_allowed(PipelineParams(model="pkgy.__main__:Net"), served)
+    assert not (tmp_path / "main-ran").exists()
+    allow.check_allowed(PipelineParams(model="pkgy.nets:Net"), served)
+
+
+BAD_CONFIGS = {  # what a checkpoint's config says: what the refusal says
+    "model os:system": ({"model": "os:system", "model_args": {"command": "id"}}, "package 'os' is not allowed"),
+    "objective": ({"objective": "subprocess:getoutput"}, "package 'subprocess' is not allowed"),
+    "dataset": ({"dataset": "pkgy.nets:torch"}, "'torch' is a module"),
+    "code_root": ({"model": "pkgy.nets:Net", "code_root": "/tmp"}, "code_root='/tmp' is outside"),
+    "data_root": ({"data_root": "/etc"}, "data_root='/etc' is outside"),
+    "imagefolder": ({"dataset": "imagefolder:/etc"}, "is outside"),
+    "script spec": ({"reference": "builtins:exec"}, "package 'builtins' is not allowed"),
+    "not a dict": ("os:system", "holds no config"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CONFIGS))
+def test_what_a_checkpoint_names_passes_the_same_door_as_a_parameter(served, case):
+    config, message = BAD_CONFIGS[case]
+    policy = allow.current_policy(served)
+    with pytest.raises(allow.NotAllowed, match=message):
+        policy.check_config(config, "checkpoint epoch-0001.pt")
+    policy.check_config({"model": "pkgy.nets:Net", "code_root": str(Path.cwd()), "data_root": "data",
+                         "dataset": "digits"}, "checkpoint epoch-0001.pt")
+
+
+def test_the_evaluation_child_refuses_a_checkpoint_naming_code_outside_the_policy(served, tmp_path):
+    """The child itself applies the policy it was handed, before the config's model is built."""
+    marker = tmp_path / "pwned"
+    ck = Path.cwd() / "evil.pt"
+    torch.save({"model": {}, "config": {"model": "os:system", "model_args": {"command": f"touch {marker}"},
+                                        "dataset": "digits"}, "num_classes": 10}, ck)
+    policy = allow.current_policy(served)
+    env = {**__import__("os").environ, POLICY_ENV: policy.to_env()}
+    result = tmp_path / "result.json"
+    out = subprocess.run([sys.executable, "-m", "gpuflow.training.evaluate", "--checkpoint", str(ck), "--result",
+                          str(result), "--device", "cpu"], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "package 'os' is not allowed" in result.read_text()
+    assert not marker.exists()
+
+
+def test_the_policy_travels_to_children_whole():
+    p = Policy(frozenset({"a", "b"}), (Path("/x"), Path("/y")), "sqlite:////x/mlflow.db", ("http://h:5000",))
+    import os
+
+    os.environ[POLICY_ENV] = p.to_env()
+    try:
+        assert Policy.from_env() == p
+    finally:
+        del os.environ[POLICY_ENV]
+
+
+def test_a_local_run_passes_the_door_untouched(tmp_path, monkeypatch):
+    monkeypatch.setattr(allow.deployment, "get_id", lambda: None)
+    allow.check_allowed({"tracking_uri": "http://anywhere:5000", "storage": "postgresql://h/db",
+                         "model": "torchvision.models:resnet18"})
+    allow.check_allowed(EvaluateParams(tracking_uri="sqlite:////tmp/anywhere.db"))

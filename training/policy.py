@@ -1,0 +1,246 @@
+"""The door of a served deployment: one policy of what its runs may touch (torch-free).
+
+Whoever can create a flow run can pass any parameter, and whoever can write to a store a run
+reads back (a tracking server, a registered version's checkpoint) controls what comes back. A
+reference imports and calls code, a path reads or writes files, a store URI sends a run's
+records somewhere. So in a served run (never a local `gpuflow run`, where the user runs their
+own code) only what the operator allowed with `gpuflow serve` passes, checked as what it
+resolves to:
+
+- a reference to a class or function *defined* in an allowed package (`--allow-code myproj`,
+  whole top-level names), by one name or as `Class.method`, whose module is a real module of
+  that package (not its `__main__`); a file reference to a project file in the allowed folders;
+- paths (links followed) inside the allowed folders (`--allow-paths`, default: serve's folder);
+- the operator's own tracking store, one it named (`--allow-stores`) or a SQLite file in the
+  allowed folders; a study storage that is such a named store or a SQLite file there, decided on the file SQLite would
+  open (`file:` URIs and query strings included), never the tracking store's own file.
+
+What a run reads back from a store is checked by the same policy: a checkpoint's config names
+a model, dataset, objective and code folder (`check_config`), and the evaluation child applies
+it before it imports anything (training/evaluate.py). The flow side builds the policy from the
+operator's settings (flows/allow.py); the children get it through `POLICY_ENV`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import site
+import sys
+import sysconfig
+import urllib.parse
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import UserError
+from .refs import (REFERENCE_FIELDS, CodeReferenceError, is_file_reference, is_reference, resolve_defined, split,
+                   top_package)
+
+POLICY_ENV = "GPUFLOW_POLICY"  # the served policy as JSON, for the children of a served run
+PATH_FIELDS = ("data_root", "runs_dir", "resume", "checkpoint", "inputs", "output", "script", "space")
+CONFIG_PATHS = ("data_root", "code_root", "data_cache")  # what a checkpoint's config reads from
+
+
+class NotAllowed(UserError):
+    """A served deployment's run named code, a path or a store the operator did not allow."""
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What a served run may name: packages, folders and stores (see the module's docstring)."""
+
+    packages: frozenset[str] = frozenset()
+    folders: tuple[Path, ...] = ()
+    home_store: str = ""  # the operator's tracking store: always allowed
+    stores: tuple[str, ...] = field(default=())  # further tracking stores or study storages, by name
+
+    # --- building and passing it on ---------------------------------------------------------
+
+    def to_env(self) -> str:
+        return json.dumps({"packages": sorted(self.packages), "folders": list(map(str, self.folders)),
+                           "home_store": self.home_store, "stores": list(self.stores)})
+
+    @classmethod
+    def from_env(cls) -> "Policy | None":
+        """The policy a served run handed its children, or None (a local run)."""
+        raw = os.environ.get(POLICY_ENV)
+        if not raw:
+            return None
+        d = json.loads(raw)
+        return cls(frozenset(d["packages"]), tuple(Path(f) for f in d["folders"]), d["home_store"],
+                   tuple(d["stores"]))
+
+    @property
+    def shown(self) -> str:
+        return ", ".join(map(str, self.folders))
+
+    # --- a flow's parameters ----------------------------------------------------------------
+
+    def check_params(self, params) -> None:
+        """Every reference, path and store a flow's parameters name (a model or a raw dict)."""
+        for name in REFERENCE_FIELDS:
+            if is_reference(value := _get(params, name)):
+                self.check_reference(name, value, str(Path.cwd()))
+        if isinstance(dataset := _get(params, "dataset"), str) and dataset.startswith("imagefolder:"):
+            self.check_path("dataset", dataset, dataset.split(":", 1)[1])
+        for name in PATH_FIELDS:
+            if (value := _get(params, name)) not in (None, "", "auto", "never"):
+                self.check_path(name, value)
+        for pattern in _get(params, "collect") or []:  # read from the run's working folder
+            self.check_path("collect", pattern)
+        tracking = _get(params, "tracking_uri")
+        if tracking is not None:
+            self.check_store("tracking_uri", tracking)
+        if (storage := _get(params, "storage")) is not None:
+            self.check_storage(storage, tracking or self.home_store)
+
+    def check_reference(self, name: str, value, code_root: str | None) -> None:
+        """The reference's module is allowed, and what it names is the allowed code's own class or function."""
+        value = _text(name, value)
+        if is_file_reference(value):
+            path = self.check_path(name, value, split(value)[0])
+            if is_library_file(path):
+                raise NotAllowed(f"{name}={value!r} is a file of installed Python code ({path}); a served run's "
+                                 "file reference names a file of your project")
+            defined_in = None  # the file's own module (resolve_defined)
+        else:
+            top = top_package(value)
+            if top not in self.packages:  # refused before anything is imported
+                raise NotAllowed(f"{name}={value!r}: package {top!r} is not allowed in this served deployment "
+                                 f"(allowed: {', '.join(sorted(self.packages)) or 'none'}); the operator allows "
+                                 f"it with `gpuflow serve --allow-code {top}`")
+            if "__main__" in split(value)[0].split("."):  # a script: importing it runs it
+                raise NotAllowed(f"{name}={value!r} names a package's __main__, which runs when imported; name "
+                                 "the module that defines it (e.g. myproj.nets:Net)")
+            defined_in = lambda module: module.split(".")[0] in self.packages  # noqa: E731
+        try:
+            resolve_defined(value, code_root, defined_in, name)
+        except CodeReferenceError as e:
+            raise NotAllowed(str(e)) from None
+
+    def check_path(self, name: str, value, path: str | None = None) -> Path:
+        """The path's real location (links followed), which must lie in an allowed folder."""
+        real = Path(_text(name, value) if path is None else path).expanduser().resolve()
+        if not any(real == f or f in real.parents for f in self.folders):
+            raise NotAllowed(f"{name}={value!r} is outside the folders this served deployment may use "
+                             f"({self.shown}); use a path inside them, or the operator adds its folder with "
+                             "`gpuflow serve --allow-paths <folder>`")
+        return real
+
+    def check_store(self, name: str, uri) -> None:
+        """A tracking store: the operator's own, one the operator allowed by name, or a SQLite file
+        in the allowed folders (which a run writes anyway: a placed run's nodes share one)."""
+        uri = _text(name, uri)
+        if same_store(uri, self.home_store) or any(same_store(uri, s) for s in self.stores):
+            return
+        if (file := sqlite_file(uri)) is not None and any(file == f or f in file.parents for f in self.folders):
+            return
+        raise NotAllowed(f"{name}={_hide_password(uri)!r}: a served run records to the operator's tracking store "
+                         f"({_hide_password(self.home_store)}) or a SQLite file in the folders it may use ({self.shown}); "
+                         f"leave {name} unset, or the operator allows that store with "
+                         "`gpuflow serve --allow-stores <uri>`")
+
+    def check_storage(self, storage, tracking_uri: str) -> None:
+        """A study's storage: a store the operator named, else a SQLite file in the allowed folders."""
+        storage = _text("storage", storage)
+        if any(same_store(storage, s) for s in self.stores):
+            return
+        file = sqlite_file(storage)
+        if file is None:
+            raise NotAllowed(f"storage={_hide_password(storage)[:200]!r}: a served sweep keeps its study in a "
+                             f"SQLite file inside the folders it may use ({self.shown}), or in a database the "
+                             "operator allows with `gpuflow serve --allow-stores <url>`; leave storage unset "
+                             "(optuna.db beside the tracking store) or give sqlite:///<such a folder>/optuna.db")
+        self.check_path("storage", storage, str(file))
+        check_not_tracking_store(storage, tracking_uri)
+
+    # --- what a run reads back from a store -------------------------------------------------
+
+    def check_config(self, config: dict, source: str) -> None:
+        """A checkpoint's config (or a script checkpoint's model spec), as it came from a store:
+        the code it names and the folders it reads, before anything is imported."""
+        if not isinstance(config, dict):
+            raise NotAllowed(f"{source} holds no config a served run can check; it was not written by gpuflow")
+        code_root = config.get("code_root")
+        for name in CONFIG_PATHS:
+            if config.get(name) is not None:
+                self.check_path(f"{source}: {name}", config[name])
+        for name in (*REFERENCE_FIELDS, "reference"):
+            if is_reference(value := config.get(name)):
+                self.check_reference(f"{source}: {name}", value, code_root)
+        if isinstance(dataset := config.get("dataset"), str) and dataset.startswith("imagefolder:"):
+            self.check_path(f"{source}: dataset", dataset, dataset.split(":", 1)[1])
+
+
+# --- helpers ---------------------------------------------------------------------------------
+
+
+def _get(params, name: str):
+    return params.get(name) if isinstance(params, dict) else getattr(params, name, None)
+
+
+def _text(name: str, value) -> str:
+    if not isinstance(value, str):
+        raise NotAllowed(f"{name}={value!r}: expected text (a reference, path or URI)")
+    return value
+
+
+def _hide_password(uri: str) -> str:
+    parts = urllib.parse.urlsplit(uri)
+    if parts.password is None:
+        return uri
+    return parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", ":***@")).geturl()
+
+
+def sqlite_file(url: str) -> Path | None:
+    """The file SQLite opens for a SQLAlchemy SQLite URL, as SQLAlchemy hands it over: the
+    path, or a `file:` URI's path when the URL asks for URI parsing (`?uri=true`); None for
+    any other database, and for in-memory SQLite."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        u = make_url(url)
+    except (ArgumentError, ValueError):
+        return None
+    if u.get_backend_name() != "sqlite" or u.database in (None, "", ":memory:"):
+        return None
+    database = u.database
+    if str(u.query.get("uri", "")).lower() in ("true", "1") or database.startswith("file:"):
+        parts = urllib.parse.urlsplit(database)
+        if parts.scheme != "file" or parts.netloc not in ("", "localhost"):
+            return Path(database)  # not a URI SQLite would parse: the literal name, as a file
+        if "memory" in (u.query.get("mode"), *urllib.parse.parse_qs(parts.query).get("mode", [])):
+            return None
+        database = urllib.parse.unquote(parts.path)
+    return Path(database).expanduser().resolve()
+
+
+def same_store(a: str, b: str) -> bool:
+    """Whether two store URIs name the same store: the same file for SQLite, else the same URL."""
+    if not a or not b:
+        return False
+    fa, fb = sqlite_file(a), sqlite_file(b)
+    if fa is not None or fb is not None:
+        return fa == fb
+    return a.rstrip("/") == b.rstrip("/")
+
+
+def check_not_tracking_store(storage: str, tracking_uri: str | None) -> None:
+    """A study never lives in the tracking store's own file (Optuna's tables would mix with MLflow's)."""
+    if tracking_uri and sqlite_file(storage) is not None and same_store(storage, tracking_uri):
+        raise UserError(f"storage={storage[:200]!r} is the tracking store's own file ({sqlite_file(storage)}); "
+                        "keep the study in a file of its own, e.g. optuna.db beside it (leave storage unset)")
+
+
+def is_library_file(path: Path) -> bool:
+    """Whether a file is installed Python code (the standard library, a site-packages folder),
+    even where it lies in an allowed folder (a project's .venv)."""
+    if {"site-packages", "dist-packages"} & set(path.parts):
+        return True
+    places = {*site.getsitepackages(), site.getusersitepackages()}
+    for base in {sys.prefix, sys.base_prefix}:
+        paths = sysconfig.get_paths(vars={"base": base, "platbase": base, "installed_base": base,
+                                          "installed_platbase": base})
+        places |= {paths["stdlib"], paths["platstdlib"], paths["purelib"], paths["platlib"]}
+    return any(lib in path.parents for lib in {Path(p).resolve() for p in places if p})
