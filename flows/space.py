@@ -3,8 +3,8 @@ their distributions, read and checked before any trial starts (flows/sweep.py sa
 
 from __future__ import annotations
 
+import os
 import re
-from pathlib import Path
 from typing import Any, Callable, Iterable, Literal
 
 import yaml
@@ -14,6 +14,12 @@ from gpuflow.training.config import Training
 from gpuflow.training.errors import UserError
 
 from .calls import one_line
+
+# A served deployment's caller names the space file, so its reading is bounded before anything else.
+MAX_SPACE_BYTES = 1 << 20  # a space is a few lines; more is the wrong file or an attack
+MAX_PARAMETERS = 100  # every parameter is checked and sampled per trial; more is no search Optuna can do
+MAX_CHOICES = 1000  # every choice is validated as a run's value before the sweep starts
+LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml, when built: faster, and it bounds nesting
 
 
 class SweepError(UserError):
@@ -66,14 +72,13 @@ SWEEPABLE = sorted(set(Training.model_fields) - {"resume", "data_root", "downloa
 
 
 def read_space(path: str) -> dict[str, Distribution]:
-    """The space file (YAML or JSON), each distribution checked on its own."""
-    try:
-        raw = yaml.safe_load(Path(path).read_text())
-    except yaml.YAMLError as e:
-        raise SweepError(f"space={path}: not YAML ({one_line(e)})") from None
+    """The space file (YAML or JSON), bounded in size, anchors, parameters and choices, each
+    distribution checked on its own."""
+    raw = _load(_read_bounded(path), path)
     if not isinstance(raw, dict) or not raw:
         raise SweepError(f"space={path} must map parameter names to distributions, e.g. "
                          "`lr: {type: float, low: 1.0e-4, high: 0.1, log: true}`")
+    _check_counts(raw, path)
     space = {}
     for name, spec in raw.items():
         try:
@@ -81,6 +86,48 @@ def read_space(path: str) -> dict[str, Distribution]:
         except ValidationError as e:
             raise SweepError(f"space={path}: {name}: {one_line(e)}") from None
     return space
+
+
+def _read_bounded(path: str) -> bytes:
+    """The file's bytes; a file over MAX_SPACE_BYTES is refused without reading the rest."""
+    with open(path, "rb") as f:
+        data = f.read(MAX_SPACE_BYTES + 1)
+        size = max(os.fstat(f.fileno()).st_size, len(data))
+    if size > MAX_SPACE_BYTES:
+        raise SweepError(f"space={path} is {size:,} bytes, over the {MAX_SPACE_BYTES:,} a space file may have; "
+                         "a space names a few distributions: check that this is the space file")
+    return data
+
+
+def _load(data: bytes, path: str) -> Any:
+    """The YAML document, refused at its first anchor or alias before anything is built from it."""
+    try:
+        _refuse_anchors(yaml.parse(data, Loader=LOADER), path)
+        return yaml.load(data, Loader=LOADER)
+    except (yaml.YAMLError, ValueError, RecursionError) as e:  # ValueError: an int too long for Python
+        raise SweepError(f"space={path}: not YAML ({one_line(e)})") from None
+
+
+def _refuse_anchors(events: Iterable[yaml.Event], path: str) -> None:
+    """Refuses the first anchor or alias: aliases repeat a node, so a few lines can expand to billions."""
+    for event in events:
+        anchor = getattr(event, "anchor", None)
+        if anchor is not None:
+            kind = f"alias *{anchor}" if isinstance(event, yaml.AliasEvent) else f"anchor &{anchor}"
+            raise SweepError(f"space={path}: line {event.start_mark.line + 1} has the YAML {kind}; a space file takes "
+                             "no anchors or aliases (they can expand to billions of values): write the values out")
+
+
+def _check_counts(raw: dict, path: str) -> None:
+    """At most MAX_PARAMETERS parameters, each with at most MAX_CHOICES choices."""
+    if len(raw) > MAX_PARAMETERS:
+        raise SweepError(f"space={path} names {len(raw):,} parameters, over the {MAX_PARAMETERS} a sweep may "
+                         "search; keep the ones that matter and set the rest as the run's own parameters")
+    for name, spec in raw.items():
+        values = spec.get("values") if isinstance(spec, dict) else None
+        if isinstance(values, list) and len(values) > MAX_CHOICES:
+            raise SweepError(f"space={path}: {name} has {len(values):,} choices, over the {MAX_CHOICES:,} one "
+                             "parameter may have; keep the ones that matter, or search a range (type: int or float)")
 
 
 def with_values(base: dict, values: dict) -> dict:
