@@ -10,7 +10,8 @@ Which process runs each module:
       runscript (runs the script), helper (what the script may call), cardlock
   in both the flow and the ranks, torch-free (the flow of a built-in run never imports torch):
       config (the worker's config and the training parameters), contract (the run folder,
-      GPUFLOW_* variables, the error file), refs, errors, files, lifetime, datacache (lookup)
+      GPUFLOW_* variables, the error file), refs, policy (the served door), errors, files, lifetime,
+      datacache (lookup)
   in the flow, with torch, only for the user's own code or data prepared the first time:
       preflight (one batch through the user's model), userdata, data (prepare), builder and
       checkpoint (an explicit resume file), statedict (a script's checkpoint, de-prefixed)
