@@ -42,6 +42,7 @@ from .prepared import prepared
 from .session import current_name, plan_tags, run_tags, training_session
 
 POLL_S = 1.0
+CANCEL_GRACE_S = 10.0  # a node's machine answers a cancellation within it, or is taken for gone
 DONE = {"COMPLETED"}
 ENDED = {"FAILED", "CRASHED", "CANCELLED", "CANCELLING"}
 WAITING = {"SCHEDULED", "PENDING", "LATE", "AWAITINGRETRY", "PAUSED"}
@@ -140,7 +141,7 @@ def watch(children: dict, start_timeout_s: float) -> None:
     has not started within `start_timeout_s`, cancels the others and fails the run naming it."""
     from prefect.client.orchestration import get_client
 
-    log, started, seen, runs = get_run_logger(), time.monotonic(), set(), dict(children)
+    log, started, seen = get_run_logger(), time.monotonic(), set()
     with get_client(sync_client=True) as client:
         try:
             while True:
@@ -149,19 +150,47 @@ def watch(children: dict, start_timeout_s: float) -> None:
                 states = {m: r.state.type.value if r.state else "SCHEDULED" for m, r in runs.items()}
                 if all(s in DONE for s in states.values()):
                     return
-                if failed := [m for m, s in states.items() if s in ENDED]:
-                    m = failed[0]  # a node that lost a peer fails too: the others' states say which is silent
-                    others = ", ".join(f"{o} {s.lower()}" for o, s in states.items() if o != m)
-                    raise NodeFailed(f"node {m} failed: {(runs[m].state.message or states[m]).splitlines()[0]} "
-                                     f"(other nodes: {others})")
+                if any(s in ENDED for s in states.values()):
+                    break
                 late = [m for m, s in states.items() if s in WAITING]
                 if late and time.monotonic() - started > start_timeout_s:
                     raise NodeFailed(f"node {late[0]} did not start within {start_timeout_s:g} s: no worker took "
                                      f"its queue; run `gpuflow node` on that machine, or pick other nodes")
                 time.sleep(POLL_S)
         except BaseException:
-            cancel(client, runs)
+            cancel(client, children)
             raise
+        polled = last_polls(client, runs)
+        left_open = cancel(client, children)
+        silent = [m for m in left_open if m in polled and last_polls(client, {m: runs[m]}).get(m) == polled[m]]
+        raise NodeFailed(node_failure(runs, states, silent))
+
+
+def last_polls(client, runs: dict) -> dict:
+    """When each node's worker last polled its machine's queue (a node whose queue is gone: left out)."""
+    from prefect.exceptions import ObjectNotFound
+
+    polls = {}
+    for m, r in runs.items():
+        try:
+            polls[m] = client.read_work_queue_by_name(r.work_queue_name, work_pool_name=r.work_pool_name).last_polled
+        except ObjectNotFound:
+            pass
+    return polls
+
+
+def node_failure(runs: dict, states: dict, silent: list[str]) -> str:
+    """One line naming the node whose failure the others followed: one whose machine went silent (its
+    run left open, its worker no longer polling), else the first to end; then the others' states."""
+    if silent:
+        m = silent[0]
+        why = ("its machine stopped answering: its run never ended, its worker stopped polling and nobody "
+               "answered the cancellation (the machine, or its `gpuflow node`, is gone)")
+    else:
+        m = min((o for o, s in states.items() if s in ENDED), key=lambda o: runs[o].state.timestamp)
+        why = (runs[m].state.message or states[m]).splitlines()[0]
+    others = ", ".join(f"{o} {s.lower()}" for o, s in states.items() if o != m)
+    return f"node {m} failed: {why} (other nodes: {others})"
 
 
 def relay_logs(client, runs: dict, seen: set, log) -> None:
@@ -181,21 +210,24 @@ def relay_logs(client, runs: dict, seen: set, log) -> None:
             return
 
 
-def cancel(client, runs: dict, grace_s: float = 10.0) -> None:
+def cancel(client, runs: dict) -> list[str]:
     """Cancel every node not yet ended: its worker stops the processes. A node whose machine is gone
-    has no worker left to do so: after the grace its run is marked Cancelled, so none stays open."""
+    has no worker left to do so: after the grace its run is marked Cancelled, so none stays open.
+    Returns those nodes."""
     from prefect.states import Cancelled, Cancelling
 
     def open_runs():
-        return [r for r in runs.values() if not (client.read_flow_run(r.id).state or Cancelling()).is_final()]
+        return [m for m, r in runs.items() if not (client.read_flow_run(r.id).state or Cancelling()).is_final()]
 
-    for r in open_runs():
-        client.set_flow_run_state(r.id, Cancelling(message="another node of the run failed"), force=True)
-    deadline = time.monotonic() + grace_s
+    for m in open_runs():
+        client.set_flow_run_state(runs[m].id, Cancelling(message="another node of the run failed"), force=True)
+    deadline = time.monotonic() + CANCEL_GRACE_S
     while (left := open_runs()) and time.monotonic() < deadline:
         time.sleep(POLL_S)
-    for r in left:
-        client.set_flow_run_state(r.id, Cancelled(message="its machine did not answer the cancellation"), force=True)
+    for m in left:
+        client.set_flow_run_state(runs[m].id, Cancelled(message="its machine did not answer the cancellation"),
+                                  force=True)
+    return left
 
 
 # --- a node --------------------------------------------------------------------------------

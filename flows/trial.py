@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpuflow.tasks.devices.assign import Devices, assign_devices_for
 from gpuflow.tasks.devices.cards import CardLocks
 from gpuflow.tasks.devices.probe import EnvironmentReport
 from gpuflow.tasks.child import Stopped
@@ -26,6 +27,13 @@ from .prepared import prepared
 from .session import training_session
 from .space import SweepError, with_values
 from .train import train
+
+def check_cards(params: SweepParams, report: EnvironmentReport) -> None:
+    """The cards `gpus` asks for, checked as `gpuflow run` checks them (tasks/devices/assign.py), before
+    any trial: on a host without usable GPUs they are refused, never trained on the CPU instead."""
+    if params.gpus not in ("auto", "cpu"):  # busy cards are no refusal: the sweep waits for them
+        assign_devices_for(report, Devices(gpus=params.gpus, skip_busy=False), batch_size=None)
+
 
 @dataclass
 class Slot:
@@ -44,6 +52,7 @@ class Slots:
     folder: `<host>-cpu<k>.lock`). A card or slot held elsewhere is never given: the sweep waits."""
 
     def __init__(self, params: SweepParams, report: EnvironmentReport):
+        check_cards(params, report)
         self.params, self.report = params, report
         visible = report.visible_physical_ids()
         self.gpu = bool(visible) and params.gpus != "cpu"

@@ -1,6 +1,7 @@
 """A child process of the flow, run under the reaper: its output streamed to the flow's log line by
-line (two reader threads: a full pipe can never block it), and stopped in order, with everything
-it started, when it ends, is stopped, or the flow goes."""
+line (two reader threads: a full pipe can never block it; a traceback as one line naming the log file
+that holds it), and stopped in order, with everything it started, when it ends, is stopped, or the
+flow goes."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import collections
 import logging
 import os
 import queue
+import re
 import signal
 import subprocess
 import threading
@@ -16,7 +18,41 @@ from pathlib import Path
 from gpuflow.training.reaper import grace_seconds, start_supervised
 
 TAIL_LINES = 40
+TRACEBACK = "Traceback (most recent call last):"
+CHAINED = ("The above exception was", "During handling of the above exception")
+RANK_PREFIX = re.compile(r"(\[rank\d+\]:\s?)?(.*)")  # torchrun's tag on a rank's lines: each rank apart
 
+
+class Tracebacks:
+    """The tracebacks in a child's output (its ranks', torchrun's own): on the console, each is one line,
+    its exception and the file that holds it whole; its other lines go to that file only."""
+
+    def __init__(self, where: Path):
+        self.where = where
+        self.state: dict[tuple, str] = {}  # per stream and rank: "frames", "message" (an exception's
+        # text below it) or "after" (a chained traceback may follow)
+
+    def console(self, line: str, stream: str = "stderr") -> str | None:
+        """What the console shows for this line of output: the line, its traceback's summary, or None."""
+        rank, body = RANK_PREFIX.fullmatch(line).groups()
+        key = (stream, rank)
+        state = self.state.pop(key, None)
+        if body.startswith(TRACEBACK):
+            self.state[key] = "frames"
+            return None
+        if state == "frames" and (not body or body[0].isspace() or body.startswith(CHAINED)):
+            self.state[key] = state
+            return None
+        if state == "frames":  # the exception itself; a text ending in ':' goes on below (torchrun's summary)
+            self.state[key] = "message" if body.rstrip().endswith(":") else "after"
+            return f"{line.rstrip()} (traceback in {self.where})"
+        if state == "message" and body:
+            self.state[key] = state
+            return None
+        if state in ("message", "after") and (not body or body.startswith(CHAINED)):  # a chained one may follow
+            self.state[key] = "after"
+            return None
+        return line
 
 
 class Stopped(Exception):
@@ -34,7 +70,8 @@ def run_child(cmd: list[str], env: dict, cwd: Path, log: logging.Logger | loggin
               hold_fds: tuple[int, ...] = (), log_file: Path | None = None,
               stop: threading.Event | None = None) -> tuple[int, list[str]]:
     """Run cmd, forwarding each output line to `log` (and `log_file`) as it arrives; returns
-    (its exit code, its last lines).
+    (its exit code, its last lines). With a `log_file`, a traceback reaches `log` as one line
+    naming that file (its other lines at the debug level).
 
     The child runs under the reaper (training/reaper.py) in a session of its own: a Ctrl-C
     reaches this process, which stops it in order; when it ends, is stopped, or this process
@@ -43,6 +80,7 @@ def run_child(cmd: list[str], env: dict, cwd: Path, log: logging.Logger | loggin
     stay open until then. Setting `stop` stops it the same way and raises Stopped.
     """
     tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+    tracebacks = Tracebacks(log_file) if log_file is not None else None  # without a file, shown whole
     proc = start_supervised(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, bufsize=1, start_new_session=True, pass_fds=hold_fds)
     if log_file is not None:
@@ -67,7 +105,11 @@ def run_child(cmd: list[str], env: dict, cwd: Path, log: logging.Logger | loggin
                 open_streams -= 1
                 continue
             tail.append(line)
-            (log.warning if name == "stderr" and "error" in line.lower() else log.info)(line)
+            shown = tracebacks.console(line, name) if tracebacks else line
+            if shown is None:
+                log.debug(line)
+            else:
+                (log.warning if name == "stderr" and "error" in shown.lower() else log.info)(shown)
             if out is not None:
                 out.write(line + "\n")
         return proc.wait(), list(tail)

@@ -160,3 +160,57 @@ def test_a_prefect_retry_of_the_launch_is_spent_only_where_it_can_help():
     assert retried(TrainingFailed("training failed: exited with code -9"))  # killed outright: may pass next time
     assert not retried(TrainingFailed("training failed: ValueError: ...", deterministic=True))
     assert not retried(UserError("bad value"))
+
+
+RAISES_IN_THE_RANKS = """
+    import os
+    import torch
+    from torch import nn
+
+    class Net(nn.Module):
+        def __init__(self, num_classes=3):
+            super().__init__()
+            self.fc = nn.Linear(4, num_classes)
+        def forward(self, x):
+            if "RANK" in os.environ:  # in the ranks only: the flow's preflight passes
+                raise RuntimeError("this layer needs CUDA")
+            return self.fc(x)
+
+    def datasets(root):
+        data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.arange(32) % 3)
+        return data, data
+"""
+
+
+def test_a_model_failing_only_in_the_ranks_shows_its_cause_without_tracebacks(tmp_path, api_url):
+    """Each traceback (each rank's, torchrun's) is one console line naming the file that holds it whole."""
+    folder = write(tmp_path, "late.py", RAISES_IN_THE_RANKS)
+    out = gpuflow(["run", "--model", "late.py:Net", "--dataset", "late.py:datasets", "--epochs", "1", "--gpus", "cpu",
+                   "--cpu-processes", "2", "--max-restarts", "0"], folder, api_url)
+    assert out.returncode == 1, out.stderr[-3000:]
+    lines = out.stderr.strip().splitlines()
+    assert lines[-1].startswith("gpuflow run: training failed: RuntimeError: this layer needs CUDA (at "), lines[-1]
+    assert "Traceback" not in out.stderr and "raise ChildFailedError" not in out.stderr, out.stderr
+    assert len(lines) <= 40, out.stderr
+    (run,) = runs(folder)
+    log = folder / "runs" / run.info.run_id / "logs" / "worker.log"
+    assert f"RuntimeError: this layer needs CUDA (traceback in {log})" in out.stderr, out.stderr
+    assert log.read_text().count("Traceback (most recent call last):") == 3  # both ranks' and torchrun's
+
+
+def test_a_chained_traceback_and_torchruns_summary_are_one_console_line_each():
+    from gpuflow.tasks.child import Tracebacks
+
+    output = ["[rank1]: Traceback (most recent call last):", '[rank1]:   File "a.py", line 3, in f',
+              "[rank0]: epoch 1", "[rank1]: ValueError: inner", "[rank1]: ",
+              "[rank1]: The above exception was the direct cause of the following exception:", "[rank1]: ",
+              "[rank1]: Traceback (most recent call last):", '[rank1]:   File "a.py", line 5, in g',
+              "[rank1]: RuntimeError: outer", "E1125 failed (exitcode: 1) local_rank: 1",
+              "Traceback (most recent call last):", '  File "run.py", line 9, in main',
+              "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ", "=" * 20,
+              "gpuflow.training FAILED", "  rank      : 1 (local_rank: 1)", "=" * 20]
+    shown = Tracebacks(Path("logs/worker.log"))
+    assert [s for s in map(shown.console, output) if s is not None] == [
+        "[rank0]: epoch 1", "[rank1]: ValueError: inner (traceback in logs/worker.log)",
+        "[rank1]: RuntimeError: outer (traceback in logs/worker.log)", "E1125 failed (exitcode: 1) local_rank: 1",
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: (traceback in logs/worker.log)"]

@@ -12,6 +12,7 @@ import os
 import pickle
 import random
 import re
+import zipfile
 from collections import OrderedDict
 from pathlib import Path
 
@@ -102,7 +103,21 @@ def load_file(path: str | Path, map_location="cpu") -> dict:
         raise CheckpointError(f"checkpoint {str(path)!r} is corrupt or not a torch file "
                               "(it does not unpickle); pick another file") from None
     except (RuntimeError, EOFError, ValueError, OSError) as e:
-        raise CheckpointError(f"checkpoint {str(path)!r} is corrupt or truncated: {e}") from None
+        raise CheckpointError(f"checkpoint {str(path)!r} is corrupt or truncated: {damage(path, e)}; use an "
+                              "earlier checkpoint (--resume <file>), start afresh (--resume never), or pick "
+                              "another file") from None
+
+
+def damage(path: Path, error: Exception) -> str:
+    """What is wrong with a file torch cannot read, in words: empty, cut short, or damaged inside."""
+    size = path.stat().st_size
+    cause = str(error).strip().split(". ")[0] or type(error).__name__  # torch's first sentence; EOFError has none
+    if size == 0:
+        return "the file is empty (0 bytes)"
+    if not zipfile.is_zipfile(path):  # torch.save writes a zip archive, whose index is at its end
+        return (f"the file is incomplete: its {size} bytes stop before the end a whole torch file has (cut short "
+                f"while written or copied; torch: {cause})")
+    return f"the file ({size} bytes) is whole but damaged inside (torch: {cause})"
 
 
 def rng_state() -> dict:

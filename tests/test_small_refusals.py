@@ -1,0 +1,154 @@
+"""Small refusals and failure lines (issue 33, item 8): each one line, naming the value or the culprit,
+and nothing run that should not be: a sweep asking for GPUs on a host without any (flows/trial.py),
+the node named when a placed run's machine dies (flows/nodes.py), a truncated checkpoint
+(training/checkpoint.py)."""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import logging
+import uuid
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from gpuflow.flows.cli import main
+from gpuflow.tasks.devices.probe import EnvironmentReport
+from gpuflow.training.checkpoint import CheckpointError, load_file
+
+# --- a sweep's cards ----------------------------------------------------------------------------
+
+
+def test_a_sweep_naming_gpus_on_a_host_without_any_is_refused_before_any_trial(prefect_api, tmp_path, capsys,
+                                                                              monkeypatch):
+    from gpuflow.flows import sweep
+
+    no_gpu = EnvironmentReport(hostname="cpu-box", cpu_count=2, source="none")
+    monkeypatch.setattr(sweep, "probe_environment", lambda: no_gpu)
+    (tmp_path / "space.yaml").write_text("lr: {type: float, low: 1.0e-3, high: 0.1, log: true}\n")
+    code = main(["sweep", "--space", str(tmp_path / "space.yaml"), "--gpus", "0,1", "--gpus-per-trial", "4",
+                 "--trials", "1", "--epochs", "1", "--dataset", "digits", "--model", "mlp",
+                 "--tracking-uri", f"sqlite:///{tmp_path / 'mlflow.db'}", "--runs-dir", str(tmp_path / "runs")])
+    err = capsys.readouterr().err
+    assert code == 2, err[-3000:]
+    assert err.strip().splitlines()[-1] == ("gpuflow sweep: gpus=0,1 asks for GPUs but none are usable on cpu-box "
+                                            "(present: none, CUDA_VISIBLE_DEVICES=unset); use gpus=cpu")
+    assert not (tmp_path / "optuna.db").exists() and not (tmp_path / "runs").exists()  # no trial, no study
+
+
+# --- a placed run whose machine dies ------------------------------------------------------------
+
+
+class Cluster:
+    """A Prefect client as `watch` sees it: two nodes' flow runs and their machines' queues. A node
+    `gone` keeps its run RUNNING, answers no cancellation and its worker polls no more."""
+
+    def __init__(self, ends: dict, gone: str | None = None):
+        from prefect.states import Running
+
+        self.ends, self.gone, self.reads = ends, gone, itertools.count()
+        self.runs = {m: SimpleNamespace(id=uuid.uuid4(), state=Running(), work_pool_name="pool",
+                                        work_queue_name=m) for m in ("node-a", "node-b")}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def read_flow_run(self, run_id):
+        m = next(m for m, r in self.runs.items() if r.id == run_id)
+        if next(self.reads) >= 2 and m in self.ends and self.runs[m].state.is_running():
+            self.runs[m].state = self.ends[m]  # the node's end, seen from the second poll on
+        return self.runs[m]
+
+    def read_logs(self, *args, **kwargs):
+        return []
+
+    def set_flow_run_state(self, run_id, state, force=False):
+        from prefect.states import Cancelled
+
+        m = next(m for m, r in self.runs.items() if r.id == run_id)
+        if state.is_final():
+            self.runs[m].state = state
+        elif m != self.gone:  # its worker stops the node's processes and ends its run
+            self.runs[m].state = Cancelled(message="cancelled by its worker")
+
+    def read_work_queue_by_name(self, name, work_pool_name):
+        polled = datetime.datetime(2026, 1, 1) if name == self.gone else datetime.datetime.now()
+        return SimpleNamespace(last_polled=polled)
+
+
+def watched(monkeypatch, cluster: Cluster) -> str:
+    """The line `watch` fails the run with."""
+    import prefect.client.orchestration
+
+    from gpuflow.flows import nodes
+
+    monkeypatch.setattr(nodes, "POLL_S", 0.01)
+    monkeypatch.setattr(nodes, "CANCEL_GRACE_S", 0.5, raising=False)
+    monkeypatch.setattr(nodes, "get_run_logger", lambda: logging.getLogger("parent"))
+    monkeypatch.setattr(prefect.client.orchestration, "get_client", lambda sync_client: cluster)
+    with pytest.raises(nodes.NodeFailed) as failed:
+        nodes.watch(dict(cluster.runs), 60)
+    return str(failed.value)
+
+
+def test_a_node_killed_mid_run_is_the_one_named_not_the_peer_that_lost_it(monkeypatch):
+    from prefect.states import Failed
+
+    lost_peer = Failed(message="training failed: RuntimeError: [gloo] Connection closed by peer")
+    line = watched(monkeypatch, Cluster({"node-a": lost_peer}, gone="node-b"))
+    assert line.startswith("node node-b failed: its machine stopped answering"), line
+    assert line.endswith("(other nodes: node-a failed)"), line
+
+
+def test_of_two_failed_nodes_the_first_to_fail_is_named(monkeypatch):
+    from prefect.states import Failed
+
+    first = Failed(message="training failed: ValueError: bad sample (at data.py, line 3; rank 1)")
+    then = Failed(message="training failed: RuntimeError: [gloo] Connection closed by peer",
+                  timestamp=first.timestamp + datetime.timedelta(seconds=2))
+    line = watched(monkeypatch, Cluster({"node-a": then, "node-b": first}))
+    assert line == ("node node-b failed: training failed: ValueError: bad sample (at data.py, line 3; rank 1) "
+                    "(other nodes: node-a failed)"), line
+
+
+def test_a_node_failing_alone_is_named_and_its_live_peer_is_cancelled(monkeypatch):
+    from prefect.states import Failed
+
+    cluster = Cluster({"node-a": Failed(message="training failed: ValueError: bad sample")})
+    line = watched(monkeypatch, cluster)
+    assert line == "node node-a failed: training failed: ValueError: bad sample (other nodes: node-b running)"
+    assert cluster.runs["node-b"].state.is_cancelled()
+
+
+# --- a truncated checkpoint ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def saved(tmp_path) -> Path:
+    path = tmp_path / "epoch-0003.pt"
+    torch.save({"model": {"w": torch.randn(64, 64)}, "epoch": 3}, path)
+    return path
+
+
+def test_a_truncated_checkpoint_says_it_was_cut_short_its_size_and_what_to_do(saved):
+    saved.write_bytes(saved.read_bytes()[:5000])
+    with pytest.raises(CheckpointError) as refused:
+        load_file(saved)
+    message = str(refused.value)
+    assert message.startswith(f"checkpoint {str(saved)!r} is corrupt or truncated: the file is incomplete: its 5000 "
+                              "bytes stop before the end a whole torch file has (cut short"), message
+    assert message.endswith("use an earlier checkpoint (--resume <file>), start afresh (--resume never), or pick "
+                            "another file"), message
+
+
+def test_an_empty_checkpoint_says_it_is_empty(saved):
+    saved.write_bytes(b"")
+    with pytest.raises(CheckpointError) as refused:
+        load_file(saved)
+    assert f"{str(saved)!r} is corrupt or truncated: the file is empty (0 bytes); use an earlier" in str(refused.value)
