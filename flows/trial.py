@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpuflow.tasks.devices.assign import Devices, assign_devices_for
+from gpuflow.tasks.devices.assign import Devices, assign_devices_for, why_not
 from gpuflow.tasks.devices.cards import CardLocks
-from gpuflow.tasks.devices.probe import EnvironmentReport
+from gpuflow.tasks.devices.probe import EnvironmentReport, probe_environment
 from gpuflow.tasks.child import Stopped
 from gpuflow.tasks.tracking import results, tracked
 from gpuflow.training.contract import RunFolder
@@ -51,15 +51,17 @@ class Slots:
     locks decide, as for any run), or on a host without a GPU, CPU slots (lock files in the same
     folder: `<host>-cpu<k>.lock`). A card or slot held elsewhere is never given: the sweep waits."""
 
-    def __init__(self, params: SweepParams, report: EnvironmentReport):
+    def __init__(self, params: SweepParams, report: EnvironmentReport, probe=probe_environment):
         check_cards(params, report)
-        self.params, self.report = params, report
+        self.params, self.report, self.probe = params, report, probe
         visible = report.visible_physical_ids()
         self.gpu = bool(visible) and params.gpus != "cpu"
         self.per_trial = params.gpus_per_trial if self.gpu else (params.cpu_processes or 1)
         if self.gpu:
             named = [int(p) for p in params.gpus.split(",") if p] if "," in params.gpus else None
             self.pool = named or visible
+            # a run skips busy cards it picks itself, never cards the user named: the same here
+            self.rule = Devices(skip_busy=params.skip_busy and not named, min_free_mb=params.min_free_mb)
             capacity = len(self.pool) // self.per_trial
             what = f"{len(self.pool)} GPUs ({params.gpus_per_trial} per trial)"
         else:
@@ -92,8 +94,13 @@ class Slots:
         return None
 
     def _take_gpus(self) -> Slot | None:
-        held = CardLocks(ranks_wait_s=0).held_elsewhere(self.report)
-        free = [i for i in self.pool if i not in self.busy and i not in held]
+        """Cards free by the rule a run's assignment applies (skip_busy, min_free_mb, other runs' locks),
+        on a fresh probe: cards fill and empty while a sweep runs."""
+        report = self.probe()
+        held = CardLocks(ranks_wait_s=0).held_elsewhere(report)
+        by_id = {g.index: g for g in report.gpus}
+        free = [i for i in self.pool if i not in self.busy and i in by_id
+                and why_not(by_id[i], self.rule, held) is None]
         if len(free) < self.per_trial:
             return None
         cards = tuple(free[:self.per_trial])

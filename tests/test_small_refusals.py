@@ -152,3 +152,37 @@ def test_an_empty_checkpoint_says_it_is_empty(saved):
     with pytest.raises(CheckpointError) as refused:
         load_file(saved)
     assert f"{str(saved)!r} is corrupt or truncated: the file is empty (0 bytes); use an earlier" in str(refused.value)
+
+
+# --- a sweep's cards follow a run's rule ----------------------------------------------------------
+
+
+def _gpu_host(busy: set[int], free_mb: dict[int, int] | None = None) -> EnvironmentReport:
+    from gpuflow.tasks.devices.probe import GpuInfo
+
+    gpus = [GpuInfo(index=i, uuid=f"GPU-sweep-{i}", pci_bus_id=f"0000:0{i}:00.0", name="H100",
+                    memory_total_mb=80000, memory_free_mb=(free_mb or {}).get(i, 80000),
+                    processes=1 if i in busy else 0) for i in range(4)]
+    return EnvironmentReport(hostname="gpu-box", cpu_count=16, source="nvml", gpus=gpus)
+
+
+def _slots(host: EnvironmentReport, tmp_path: Path, **params):
+    from gpuflow.flows.params import SweepParams
+    from gpuflow.flows.trial import Slots
+
+    (tmp_path / "space.yaml").write_text("lr: {type: float, low: 1.0e-3, high: 0.1, log: true}\n")
+    p = SweepParams(space=str(tmp_path / "space.yaml"), tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}",
+                    **params)
+    return Slots(p, host, probe=lambda: host)
+
+
+def test_a_sweep_skips_busy_cards_as_a_run_does(tmp_path, monkeypatch):
+    monkeypatch.setenv("GPUFLOW_LOCK_DIR", str(tmp_path / "locks"))
+    host = _gpu_host(busy={0, 2})
+    slots = _slots(host, tmp_path, parallel="1")
+    taken = [slots.take(), slots.take(), slots.take()]
+    assert [s.cards for s in taken if s] == [(1,), (3,)] and taken[2] is None  # 0 and 2 run other processes
+    assert _slots(host, tmp_path, parallel="1", skip_busy=False).take().cards == (0,)
+    assert _slots(host, tmp_path, parallel="1", gpus="2,0").take().cards == (2,)  # named cards: the user's choice
+    short = _gpu_host(busy=set(), free_mb={0: 100, 1: 100})
+    assert _slots(short, tmp_path, parallel="1", min_free_mb=1000).take().cards == (2,)

@@ -124,7 +124,9 @@ def _cpu_plan(report: EnvironmentReport, req: Devices) -> DevicePlan:
                       env={"CUDA_VISIBLE_DEVICES": ""})
 
 
-def _why_not(g: GpuInfo, req: Devices, locked: set[int]) -> str | None:
+def why_not(g: GpuInfo, req: Devices, locked: set[int]) -> str | None:
+    """Why a card is not free for a request (held by a gpuflow run, busy, short of memory), or None:
+    the one rule every chooser of cards applies (a run's assignment, a sweep's slots)."""
     if g.index in locked:
         return "in use by another gpuflow run"
     if req.skip_busy and g.processes:
@@ -141,7 +143,7 @@ def _choose(report: EnvironmentReport, req: Devices, locked: set[int]) -> list[G
     if ids is not None:
         return [_check_explicit(i, by_id, visible, report, req, locked) for i in ids]
     pool = [by_id[i] for i in visible]
-    free = [g for g in pool if _why_not(g, req, locked) is None]
+    free = [g for g in pool if why_not(g, req, locked) is None]
     free.sort(key=lambda g: (-g.memory_free_mb, g.index))  # most free memory first
     want = len(free) if req.gpus == "auto" else int(req.gpus)
     if want > len(pool):
@@ -149,7 +151,7 @@ def _choose(report: EnvironmentReport, req: Devices, locked: set[int]) -> list[G
             f"gpus={req.gpus} asks for {want} GPUs but this process can use {len(pool)} "
             f"(physical {', '.join(map(str, visible)) or 'none'}); ask for at most {len(pool)}")
     if want == 0 or len(free) < want:
-        reasons = "; ".join(f"GPU {g.index}: {_why_not(g, req, locked)}" for g in pool if g not in free)
+        reasons = "; ".join(f"GPU {g.index}: {why_not(g, req, locked)}" for g in pool if g not in free)
         raise AssignmentError(
             f"gpus={req.gpus} needs {want or 'at least one'} free GPU(s) but only {len(free)} "
             f"are free ({reasons}); wait, lower min_free_mb, set skip_busy=false, or use gpus=cpu")
