@@ -58,18 +58,18 @@ def train_script(params: ScriptParams) -> dict:
 
 
 def run_script(params: ScriptParams, s: Session, run: tracked.TrackedRun, rdzv: Rendezvous | None = None,
-               stop=None) -> dict:
-    """Launch the script, relaying its metrics; then (failed too) log its files and logs. Setting
-    `stop` (a threading.Event: a sweep's pruner) stops it: Stopped is raised."""
+               stop=None, cwd: Path | None = None) -> dict:
+    """Launch the script from `cwd` (default: here), relaying its metrics; then (failed too) log its
+    files and logs. Setting `stop` (a threading.Event: a sweep's pruner) stops it: Stopped is raised."""
     launched = time.time()  # collected files older than this were not written by the script
     try:
         with run.relaying_metrics():
             launch_script(params.script, params.script_args, params, params.tracking_uri, s.plan, run, s.cards, rdzv,
-                          stop)
+                          stop, cwd)
     except TrainingFailed:  # the failed script's files and logs are kept in the run too
-        collect_outputs(run, params.collect, launched)
+        collect_outputs(run, params.collect, launched, cwd)
         raise
-    return collect_outputs(run, params.collect, launched)
+    return collect_outputs(run, params.collect, launched, cwd)
 
 
 class ScriptNodeParams(ScriptParams):
@@ -110,14 +110,15 @@ def script_node(params: ScriptNodeParams) -> dict:
 
 
 @task(name="collect-outputs", cache_policy=NO_CACHE)
-def collect_outputs(run: tracked.TrackedRun, patterns: list[str], launched: float) -> dict:
+def collect_outputs(run: tracked.TrackedRun, patterns: list[str], launched: float | None,
+                    cwd: Path | None = None) -> dict:
     """Log the output folder, the `collect` files and the logs; de-prefix the newest state dict
     and log it as the run's checkpoint (or log it unchanged and say why). Tag and warn about
     collected files older than `launched`, and about processes that never joined a process group."""
     from gpuflow.tasks.scriptout import flag_not_distributed, gather
 
     flag_not_distributed(run)
-    return gather(run, patterns, Path.cwd(), launched)
+    return gather(run, patterns, cwd or Path.cwd(), launched)
 
 
 @task(name="register-model", cache_policy=NO_CACHE)

@@ -6,6 +6,7 @@ metric reported to Optuna's pruner as it arrives.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import socket
@@ -197,9 +198,10 @@ def run_script_trial(t: Trial, params: SweepParams, parent_id: str, metric: str,
         t.run_id = run.run_id
         t.trial.set_user_attr("mlflow_run_id", run.run_id)
         run.log_params(trial_params.run_params(s.plan))
+        work = own_folder(Path.cwd(), RunFolder(run.workdir).work, trial_params.collect)
         try:
             with watching(run, metric, reporter(t, params, metric)):
-                outputs = run_script(trial_params, s, run, stop=t.stop)
+                outputs = run_script(trial_params, s, run, stop=t.stop, cwd=work)
         except Stopped:
             if t.pruned_at is None:
                 raise
@@ -212,6 +214,24 @@ def run_script_trial(t: Trial, params: SweepParams, parent_id: str, metric: str,
                          f"{', '.join(sorted(logged)) or 'none'}); report it with helper.report or "
                          "mlflow.log_metric, or optimize one of those")
     return float(logged[metric])
+
+
+CHECKPOINT_SUFFIXES = (".pt", ".pth", ".ckpt", ".safetensors")
+
+
+def own_folder(project: Path, work: Path, collect: list[str]) -> Path:
+    """A script trial's working folder: each entry of the project folder linked in, so data, configs
+    and code resolve as from the project, except checkpoints, what `collect` names and the folder
+    holding the trial's own: what a script saves and resumes from at a fixed relative path (the DDP
+    tutorial's snapshot.pt, nanoGPT's out/) is this trial's alone, written and read here."""
+    work.mkdir(parents=True, exist_ok=True)
+    own = {Path(p).parts[0] for p in collect if Path(p).parts}
+    for entry in project.iterdir():
+        if (entry.suffix in CHECKPOINT_SUFFIXES or any(fnmatch.fnmatch(entry.name, p) for p in own)
+                or entry == work or entry in work.parents or os.path.lexists(work / entry.name)):
+            continue
+        (work / entry.name).symlink_to(entry)
+    return work
 
 
 @contextmanager

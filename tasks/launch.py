@@ -290,9 +290,10 @@ def script_environment(plan: DevicePlan, run, tracking_uri: str) -> dict:
 @task(name="launch-script", retries=0, cache_policy=NO_CACHE)
 def launch_script(script: str, script_args: list[str], opts: Launch, tracking_uri: str, plan: DevicePlan,
                   run, hold_fds: tuple[int, ...] = (), rdzv: Rendezvous | None = None,
-                  stop: threading.Event | None = None) -> None:
-    """Run the user's script under torchrun, always (one process per device), from the folder
-    gpuflow runs in, in the MLflow run `run`; stream its output to the flow's log and logs/script.log."""
+                  stop: threading.Event | None = None, cwd: Path | None = None) -> None:
+    """Run the user's script under torchrun, always (one process per device), from `cwd` (default:
+    the folder gpuflow runs in), in the MLflow run `run`; stream its output to the flow's log and
+    logs/script.log."""
     from prefect import get_run_logger
 
     log, folder = get_run_logger(), RunFolder(run.workdir)
@@ -309,6 +310,6 @@ def launch_script(script: str, script_args: list[str], opts: Launch, tracking_ur
     folder.process_group.unlink(missing_ok=True)  # rank 0 writes it afresh when the script ends well
     env |= {**error_folder(folder.root), DIST_TIMEOUT_ENV: str(opts.dist_timeout_s),
             PROCESS_GROUP_FILE_ENV: str(folder.process_group), **(rdzv.environ() if rdzv else {})}
-    code, tail = run_child(cmd, env, Path.cwd(), log, hold_fds, log_file=folder.log("script.log"), stop=stop)
+    code, tail = run_child(cmd, env, cwd or Path.cwd(), log, hold_fds, log_file=folder.log("script.log"), stop=stop)
     if code != 0:
         raise failure(Path(script).name, code, folder.root, tail, "script.log")

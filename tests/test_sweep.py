@@ -293,3 +293,46 @@ def test_a_scripts_bad_sweep_is_refused_before_anything_starts(tmp_path, capsys,
     err = capsys.readouterr().err
     assert code == 2 and says in err, err
     assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "optuna.db").exists()
+
+
+SNAPSHOT_SCRIPT = '''\
+import argparse, os, mlflow, torch
+p = argparse.ArgumentParser()
+p.add_argument("--lr", type=float, required=True)
+a = p.parse_args()
+resumed = os.path.exists("snapshot.pt")  # the DDP tutorial's way: a fixed path, resumed when present
+start = torch.load("snapshot.pt")["epoch"] if resumed else 0
+with open(os.path.join(os.environ["GPUFLOW_OUTPUT_DIR"], "resumed.txt"), "w") as f:
+    f.write(f"{resumed} {open('data/seen.txt').read()}")  # a relative data path resolves as in the project
+mlflow.start_run()
+for e in range(start, 2):
+    torch.save({"epoch": e + 1, "lr": a.lr}, "snapshot.pt")
+    mlflow.log_metric("score", a.lr * (e + 1), step=e)
+'''
+
+
+def test_each_scripts_trial_runs_in_a_folder_of_its_own_and_never_resumes_anothers_snapshot(
+        prefect_api, tmp_path, monkeypatch):
+    from gpuflow.flows.sweep import sweep
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text(SNAPSHOT_SCRIPT)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "seen.txt").write_text("data")
+    import torch
+
+    torch.save({"epoch": 2, "lr": 9.0}, tmp_path / "snapshot.pt")  # an earlier run's, in the project folder
+    space = _space(tmp_path, "lr: {type: choice, values: [0.1, 0.2]}\n")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    sweep(script=str(tmp_path / "train.py"), script_args=["--lr", "{lr}"], space=space, trials=2, parallel="1",
+          pruner="none", optimize="score", gpus="cpu", cpu_processes=1, study="own", tracking_uri=uri,
+          runs_dir=str(tmp_path / "runs"), registered_model="own", collect=["snapshot.pt"])
+    (parent,), trials = _runs(uri)
+    assert len(trials) == 2 and all(r.info.status == "FINISHED" for r in trials)
+    for r in trials:
+        folder = tmp_path / "runs" / r.info.run_id
+        assert (folder / "outputs" / "resumed.txt").read_text() == "False data"  # neither resumed another's
+        lr = float(r.data.params["gpuflow.script_args"].split('"')[3])
+        assert torch.load(folder / "work" / "snapshot.pt")["lr"] == lr  # its own file, in its own folder
+        assert r.data.metrics["score"] == pytest.approx(2 * lr)
+    assert torch.load(tmp_path / "snapshot.pt")["lr"] == 9.0  # the project's own file untouched

@@ -58,6 +58,7 @@ class RunFolder:
     checkpoints = property(lambda self: self.root / "checkpoints")  # the worker's epoch-N.pt (config.checkpoint_dir)
     weights = property(lambda self: self.root / "weights.pt")  # the trained state dict alone, registered
     script_checkpoint = property(lambda self: self.root / "checkpoint")  # a script's, de-prefixed by the flow
+    work = property(lambda self: self.root / "work")  # a script's sweep trial runs here: its files its own
 
     def input_example(self, suffix: str) -> Path:
         """The registered model's input example: .npy (a tensor) or .npz (named inputs)."""
