@@ -137,6 +137,8 @@ def reporter(t: Trial, params: SweepParams, metric: str):
     """The trial's per-epoch report to Optuna: pruned (its launch stopped) when the pruner says so."""
 
     def report(step: int, metrics: dict) -> None:
+        if t.stop.is_set():  # decided (or the sweep stops): the lines still arriving change nothing
+            return
         if metric not in metrics:
             t.missing = sorted(k for k in metrics if k.startswith("val_"))
             t.stop.set()

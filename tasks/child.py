@@ -18,6 +18,7 @@ from pathlib import Path
 from gpuflow.training.reaper import grace_seconds, start_supervised
 
 TAIL_LINES = 40
+STOP_POLL_S = 0.05  # how soon a quiet child is stopped once `stop` is set
 TRACEBACK = "Traceback (most recent call last):"
 CHAINED = ("The above exception was", "During handling of the above exception")
 RANK_PREFIX = re.compile(r"(\[rank\d+\]:\s?)?(.*)")  # torchrun's tag on a rank's lines: each rank apart
@@ -94,12 +95,12 @@ def run_child(cmd: list[str], env: dict, cwd: Path, log: logging.Logger | loggin
     try:
         open_streams = 2
         while open_streams:
+            if stop is not None and stop.is_set():  # acted on when set, not when the output pauses
+                _terminate(proc)
+                raise Stopped()
             try:
-                name, line = q.get(timeout=0.5)
+                name, line = q.get(timeout=STOP_POLL_S)
             except queue.Empty:
-                if stop is not None and stop.is_set():
-                    _terminate(proc)
-                    raise Stopped() from None
                 continue
             if line is None:
                 open_streams -= 1
