@@ -50,6 +50,7 @@ def main() -> None:
     base.chmod(0o755)
     stack = Stack(base / "data")
     stack.start()
+    os.environ.update(stack.credentials())  # both servers ask for them: the runs and this process's MLflow client
     try:
         stores = {"sqlite": f"sqlite:///{base / 'mlflow.db'}", "stack": stack.ui}
         walls: dict[str, list[float]] = {k: [] for k in stores}

@@ -5,27 +5,37 @@
 
 A Prefect server (API and UI) and an MLflow tracking server that serves the artifacts itself
 (`--serve-artifacts`, stored in <data>/artifacts), both on PostgreSQL, in the foreground until
-Ctrl-C or SIGTERM, which stop them and the database. Clients need only the two URLs it prints
-(PREFECT_API_URL, MLFLOW_TRACKING_URI): no database access, no shared filesystem.
+Ctrl-C or SIGTERM, which stop them and the database. Both ask for credentials (basic auth: Prefect's
+API auth string, MLflow's basic-auth app), made at the first start and kept in <data>/credentials.env
+(flows/credentials.py). Clients need the two URLs it prints and that file: no database access, no
+shared filesystem.
 
-Without --database-url, a PostgreSQL cluster of its own lives in <data>/postgres and listens on
-a Unix socket in <data>/socket only: nothing on the network, and no password (trust auth on
-that socket alone). Run as root, it runs as the `postgres` system user, which must be able to
-reach <data>. With --database-url it uses that server's databases `prefect` and `mlflow`
-(created if it may). The schemas are migrated once before the servers start: servers started
-together would race on migrations. Sweeps keep their Optuna studies in its database `optuna`: the
-stack publishes that URL in the Prefect Variable `gpuflow_sweep_storage` (unless the URL holds a
-password, which a Variable would show to every API user: then pass --storage to the sweep).
+<data> and all it holds are the stack's account's alone (PostgreSQL's user, when it runs as root, may
+only pass through to its own folders), and one stack at a time runs on it (a lock held by every
+process of the stack). Without --database-url, a PostgreSQL cluster of its own lives in
+<data>/postgres, runs under the reaper (it stops with the stack, however the stack ends), and
+listens on a Unix socket in <data>/socket only, with peer authentication: the stack's account is
+mapped to the role `gpuflow`, which owns the databases and is no superuser, and nobody else gets
+in. Run as root, PostgreSQL runs as the `postgres` system user. With --database-url it uses that
+server's databases `prefect`, `mlflow`, `mlflow_auth` and `optuna` (created if it may). The schemas
+are migrated once before the servers start: servers started together would race on migrations.
+Sweeps keep their Optuna studies in its database `optuna`: the stack publishes that URL in the
+Prefect Variable `gpuflow_sweep_storage` (unless the URL holds a password, which a Variable would show
+to every API user: then pass --storage to the sweep).
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
+import pwd
+import secrets
 import shutil
 import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -35,22 +45,28 @@ from pydantic import BaseModel, Field
 from gpuflow.training.errors import UserError
 from gpuflow.training.reaper import start_supervised
 
+from .credentials import FILE as CREDENTIALS_FILE
+from .credentials import Credentials, stack_credentials, write_private
 from .settings import LOOPBACK
 
-DATABASES = ("prefect", "mlflow", "optuna")
+DATABASES = ("prefect", "mlflow", "mlflow_auth", "optuna")
+ROLE = "gpuflow"  # owns the databases; the servers and sweeps connect as it; no superuser, so no COPY ... PROGRAM
+SUPERUSER = "postgres"  # the cluster's own superuser: the stack's setup alone
 STUDY_VARIABLE = "gpuflow_sweep_storage"  # the Prefect Variable where sweeps find the stack's study database
+MLFLOW_DEFAULT_PERMISSION = "READ"  # what a user the admin adds may do before being granted more
 STOP_GRACE_S = 30
+READY_S = 180
 
 
 class StackService(BaseModel):
     """`gpuflow stack`: a Prefect server and an MLflow tracking server on PostgreSQL."""
 
     data: str = Field(description="folder of the stack: its PostgreSQL cluster (unless --database-url), "
-                      "Prefect's home and MLflow's artifacts; kept across restarts")
+                      "Prefect's home, MLflow's artifacts and the servers' credentials; kept across restarts")
     database_url: str | None = Field(None, description="an existing PostgreSQL server, postgresql://user[:password]"
                                      "@host[:port] (default: a cluster of its own in <data>/postgres)")
-    host: str = Field(LOOPBACK, description="address both servers listen on (put an authenticating proxy in "
-                      "front before opening it: see the README)")
+    host: str = Field(LOOPBACK, description="address both servers listen on (both ask for the credentials in "
+                      "<data>/credentials.env; put a TLS proxy in front before opening it: see the README)")
     prefect_port: int = Field(4200, ge=1, le=65535, description="port of the Prefect server")
     mlflow_port: int = Field(5000, ge=1, le=65535, description="port of the MLflow tracking server")
     allowed_hosts: str | None = Field(None, description="host names clients reach the MLflow server by, when not "
@@ -58,46 +74,165 @@ class StackService(BaseModel):
 
 
 def as_postgres(cmd: list[str]) -> list[str]:
-    """PostgreSQL refuses to run as root: then its tools run as the `postgres` system user."""
-    return ["runuser", "-u", "postgres", "--", *cmd] if os.geteuid() == 0 else cmd
-
-
-class Cluster:
-    """A PostgreSQL cluster of the stack's own, on a Unix socket in <data>/socket."""
-
-    def __init__(self, data: Path):
-        self.dir, self.socket, self.log = data / "postgres", data / "socket", data / "postgres.log"
-
-    def start(self) -> None:
-        missing = [t for t in ("initdb", "pg_ctl") if not shutil.which(t)]
-        if missing:
-            raise UserError(f"{' and '.join(missing)} not found: install PostgreSQL (15 or later), or give "
-                            "--database-url of a running server")
-        for path in (self.dir.parent, self.socket):
-            path.mkdir(parents=True, exist_ok=True)
-        if os.geteuid() == 0:
-            for path in (self.dir.parent, self.socket):
-                shutil.chown(path, "postgres")
-            self.log.touch()
-            shutil.chown(self.log, "postgres")
-        if not (self.dir / "PG_VERSION").is_file():
-            run(as_postgres(["initdb", "-D", str(self.dir), "-U", "postgres", "-A", "trust", "--no-instructions"]),
-                "initdb")
-        run(as_postgres(["pg_ctl", "-D", str(self.dir), "-l", str(self.log), "-w", "-t", "120", "start", "-o",
-                         f"-k {self.socket} -c listen_addresses=''"]), f"PostgreSQL (its log: {self.log})")
-
-    def stop(self) -> None:
-        subprocess.run(as_postgres(["pg_ctl", "-D", str(self.dir), "-w", "-m", "fast", "stop"]),
-                       capture_output=True)
-
-    def url(self) -> str:
-        return f"postgresql://postgres@/?host={urllib.parse.quote(str(self.socket), safe='/')}"
+    """PostgreSQL refuses to run as root: then its tools run as the `postgres` system user. setpriv
+    execs the command (runuser stays between, and kills PostgreSQL two seconds after passing on a stop)."""
+    if os.geteuid() != 0:
+        return cmd
+    return ["setpriv", "--reuid=postgres", "--regid=postgres", "--init-groups", "--", *cmd]
 
 
 def run(cmd: list[str], what: str, env: dict | None = None) -> None:
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if p.returncode != 0:
         raise UserError(f"{what} failed (exit {p.returncode}): {(p.stderr or p.stdout).strip()[-1500:]}")
+
+
+def hold_lock(data: Path) -> int:
+    """An exclusive lock on <data>/stack.lock, or a one-line refusal. Every process of the stack
+    inherits it, so it is free only once nothing of this stack is left."""
+    fd = os.open(data / "stack.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise UserError(f"a gpuflow stack (pid {holder}) runs on {data}, or its servers are still stopping: stop "
+                        "it or wait for it, or give another --data") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def make_private(data: Path, own_cluster: bool) -> None:
+    """<data> and what the stack keeps there for its account alone; when root, PostgreSQL's group may
+    pass through <data> (not list it) to reach its own folders. Folders made by older stacks included."""
+    if os.geteuid() == 0 and own_cluster:
+        os.chown(data, 0, pwd.getpwnam("postgres").pw_gid)
+        data.chmod(0o710)
+    else:
+        os.chown(data, os.geteuid(), os.getegid())
+        data.chmod(0o700)
+    for name in ("artifacts", "prefect"):
+        (data / name).mkdir(mode=0o700, exist_ok=True)
+        (data / name).chmod(0o700)
+    for f in data.iterdir():
+        if f.is_file():
+            os.chown(f, os.geteuid(), os.getegid())
+            f.chmod(0o600)
+
+
+class Cluster:
+    """A PostgreSQL cluster of the stack's own, under the reaper, on a Unix socket in <data>/socket."""
+
+    def __init__(self, data: Path):
+        self.dir, self.socket, self.log = data / "postgres", data / "socket", data / "postgres.log"
+        self.account = pwd.getpwuid(os.geteuid()).pw_name  # the servers' OS user: mapped to ROLE
+        self.owner = "postgres" if os.geteuid() == 0 else self.account  # the OS user PostgreSQL runs as
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, lock: int) -> None:
+        missing = [t for t in ("initdb", "postgres") if not shutil.which(t)]
+        if missing:
+            raise UserError(f"{' and '.join(missing)} not found: install PostgreSQL (15 or later), or give "
+                            "--database-url of a running server")
+        self._prepare_folders()
+        if not (self.dir / "PG_VERSION").is_file():
+            run(as_postgres(["initdb", "-D", str(self.dir), "-U", SUPERUSER, "--auth-local=peer",
+                             "--auth-host=scram-sha-256", "--no-instructions"]), "initdb")
+        self._write_access_rules()
+        with open(self.log, "a") as log:
+            self.proc = start_supervised(as_postgres(
+                ["postgres", "-D", str(self.dir), "-k", str(self.socket), "-c", "listen_addresses=",
+                 "-c", "unix_socket_permissions=0700"]), stdout=log, stderr=subprocess.STDOUT, pass_fds=(lock,))
+        self._wait_ready()
+        self._set_up_role()
+
+    def _prepare_folders(self) -> None:
+        for path in (self.dir, self.socket):
+            path.mkdir(mode=0o700, exist_ok=True)  # made here: PostgreSQL's user may not write in <data>
+            path.chmod(0o700)
+            shutil.chown(path, self.owner)
+        self.log.touch(mode=0o600)
+
+    def _write_access_rules(self) -> None:
+        """Peer authentication on the socket alone; pg_ident.conf says which OS user may be which role."""
+        hba = "# written by gpuflow stack at each start\nlocal all all peer map=stack\n"
+        idents = dict.fromkeys([(self.owner, SUPERUSER), (self.account, SUPERUSER), (self.account, ROLE)])
+        ident = "# written by gpuflow stack at each start\n" + "".join(f"stack {u} {r}\n" for u, r in idents)
+        for name, text in (("pg_hba.conf", hba), ("pg_ident.conf", ident)):
+            write_private(self.dir / name, text)
+            shutil.chown(self.dir / name, self.owner)
+
+    def _conninfo(self, user: str, dbname: str) -> dict:
+        return dict(host=str(self.socket), user=user, dbname=dbname)
+
+    def _wait_ready(self) -> None:
+        import psycopg
+
+        deadline = time.monotonic() + READY_S
+        while True:
+            try:
+                psycopg.connect(**self._conninfo(SUPERUSER, "postgres")).close()
+                return
+            except psycopg.OperationalError as e:
+                starting = e.sqlstate in (None, "57P03")  # nothing listens yet, or "the database system is starting up"
+                if not starting or self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise UserError(f"PostgreSQL did not start in {self.dir} ({str(e).strip()}); its log: "
+                                    f"{self.log}") from None
+            time.sleep(0.2)
+
+    def _set_up_role(self) -> None:
+        """ROLE, no superuser, owns the stack's databases (and the objects an older stack made in them)."""
+        import psycopg
+
+        with psycopg.connect(**self._conninfo(SUPERUSER, "postgres"), autocommit=True) as conn:
+            if not conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (ROLE,)).fetchone():
+                conn.execute(f'CREATE ROLE "{ROLE}"')
+            conn.execute(f'ALTER ROLE "{ROLE}" LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS')
+            have = {r[0] for r in conn.execute("SELECT datname FROM pg_database")}
+            for name in DATABASES:
+                if name in have:
+                    conn.execute(f'ALTER DATABASE "{name}" OWNER TO "{ROLE}"')
+                else:
+                    conn.execute(f'CREATE DATABASE "{name}" OWNER "{ROLE}"')
+        for name in have.intersection(DATABASES):
+            with psycopg.connect(**self._conninfo(SUPERUSER, name), autocommit=True) as conn:
+                conn.execute(HAND_OVER)
+
+    def stop(self) -> None:
+        """Fast shutdown: SIGINT, which the reaper passes on (sessions ended, a checkpoint, exit)."""
+        if self.proc:
+            stop_all([self.proc], signal.SIGINT)
+
+    def url(self) -> str:
+        return f"postgresql://{ROLE}@/?host={urllib.parse.quote(str(self.socket), safe='/')}"
+
+
+# The objects a stack made before ROLE existed (its superuser's) go to ROLE: tables first, as
+# they take their own sequences along; members of extensions stay where the extension put them.
+HAND_OVER = f"""
+DO $$
+DECLARE r record;
+BEGIN
+  FOR r IN SELECT oid::regclass AS name FROM pg_class WHERE relnamespace = 'public'::regnamespace
+           AND relkind IN ('r', 'p', 'v', 'm', 'f') AND relowner <> '{ROLE}'::regrole LOOP
+    EXECUTE format('ALTER TABLE %s OWNER TO {ROLE}', r.name);
+  END LOOP;
+  FOR r IN SELECT oid::regclass AS name FROM pg_class WHERE relnamespace = 'public'::regnamespace
+           AND relkind = 'S' AND relowner <> '{ROLE}'::regrole LOOP
+    EXECUTE format('ALTER SEQUENCE %s OWNER TO {ROLE}', r.name);
+  END LOOP;
+  FOR r IN SELECT oid::regtype AS name, typtype FROM pg_type WHERE typnamespace = 'public'::regnamespace
+           AND typtype IN ('e', 'd') AND typowner <> '{ROLE}'::regrole LOOP
+    EXECUTE format('ALTER %s %s OWNER TO {ROLE}', CASE r.typtype WHEN 'd' THEN 'DOMAIN' ELSE 'TYPE' END, r.name);
+  END LOOP;
+  FOR r IN SELECT p.oid::regprocedure AS name FROM pg_proc p WHERE p.pronamespace = 'public'::regnamespace
+           AND p.proowner <> '{ROLE}'::regrole AND NOT EXISTS (SELECT 1 FROM pg_depend d
+             WHERE d.classid = 'pg_proc'::regclass AND d.objid = p.oid AND d.deptype = 'e') LOOP
+    EXECUTE format('ALTER ROUTINE %s OWNER TO {ROLE}', r.name);
+  END LOOP;
+END $$
+"""
 
 
 def database(url: str, name: str, driver: str) -> str:
@@ -107,6 +242,7 @@ def database(url: str, name: str, driver: str) -> str:
 
 
 def create_databases(url: str) -> None:
+    """The databases on a server given by --database-url, as its user (who then owns them)."""
     import psycopg
 
     parts = urllib.parse.urlsplit(url)
@@ -120,76 +256,137 @@ def create_databases(url: str) -> None:
                 conn.execute(f'CREATE DATABASE "{name}"')
 
 
-def publish_study_storage(api: str, url: str) -> None:
+def prefect_env(data: Path, url: str, credentials: Credentials) -> dict:
+    env = dict(os.environ, PREFECT_HOME=str(data / "prefect"),
+               PREFECT_API_DATABASE_CONNECTION_URL=database(url, "prefect", "asyncpg"),
+               PREFECT_SERVER_DATABASE_MIGRATE_ON_START="false", PREFECT_SERVER_ANALYTICS_ENABLED="false",
+               PREFECT_SERVER_API_AUTH_STRING=credentials.prefect_auth_string,
+               PREFECT_API_AUTH_STRING=credentials.prefect_auth_string)  # the server's own clients, if any
+    env.pop("PREFECT_API_URL", None)
+    return env
+
+
+def mlflow_env(data: Path, url: str, credentials: Credentials) -> dict:
+    """MLflow's basic-auth app: its users in the database `mlflow_auth`, the admin being the stack's credentials."""
+    config = data / "mlflow-auth.ini"
+    write_private(config, "[mlflow]\n"
+                  f"default_permission = {MLFLOW_DEFAULT_PERMISSION}\n"
+                  f"database_uri = {database(url, 'mlflow_auth', 'psycopg')}\n"
+                  "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
+    return dict(os.environ, MLFLOW_AUTH_CONFIG_PATH=str(config),
+                MLFLOW_AUTH_ADMIN_USERNAME=credentials.mlflow_username,
+                MLFLOW_AUTH_ADMIN_PASSWORD=credentials.mlflow_password,  # used only to create the admin
+                MLFLOW_FLASK_SERVER_SECRET_KEY=secrets.token_hex(32))  # signs the sign-up form: the same in all workers
+
+
+def publish_study_storage(api: str, url: str, credentials: Credentials) -> None:
     """Tell sweeps where the stack keeps studies (a Prefect Variable), unless that would show a password."""
     if urllib.parse.urlsplit(url).password:
         print("gpuflow stack: sweeps keep their studies where --storage says (the database URL holds a password, "
               "which a Prefect Variable would show to every API user)", flush=True)
         return
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
     from prefect.variables import Variable
 
-    with temporary_settings({PREFECT_API_URL: api}):
+    with temporary_settings({PREFECT_API_URL: api, PREFECT_API_AUTH_STRING: credentials.prefect_auth_string}):
         Variable.set(STUDY_VARIABLE, url, overwrite=True)
 
 
-def healthy(url: str) -> bool:
+def status(url: str, authorization: str) -> int | None:
+    """The HTTP status of a GET of `url` with that Authorization header; None while nothing answers."""
     try:
-        with urllib.request.urlopen(url, timeout=2) as r:
-            return r.status == 200
+        with urllib.request.urlopen(urllib.request.Request(url, headers={"Authorization": authorization}),
+                                    timeout=5) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
     except OSError:
-        return False
+        return None
+
+
+def wait_for_servers(checks: dict[str, tuple[str, str]], procs: list[subprocess.Popen], stop: dict,
+                     credentials_file: Path) -> None:
+    """Until each server answers an authenticated request (health checks need none, so prove nothing)."""
+    deadline = time.monotonic() + READY_S
+    while True:
+        codes = {name: status(url, auth) for name, (url, auth) in checks.items()}
+        if all(code == 200 for code in codes.values()):
+            return
+        refused = [name for name, code in codes.items() if code in (401, 403)]
+        if refused:
+            raise UserError(f"{refused[0]} refused the credentials in {credentials_file}: put back the file the "
+                            "stack made at its first start (MLflow keeps the admin password it was first given, "
+                            "in the database mlflow_auth)")
+        if any(p.poll() is not None for p in procs) or time.monotonic() > deadline or stop["signal"]:
+            raise UserError("a server of the stack did not start; see its output above")
+        time.sleep(0.5)
+
+
+def stop_all(procs: list[subprocess.Popen], sig: int = signal.SIGTERM) -> None:
+    """Stop each reaper (it stops its server and all it started), killed if it outlasts the grace."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(sig)
+    for p in procs:
+        try:
+            p.wait(STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def announce(data: Path, credentials: Credentials, made: bool, api: str, ui: str) -> None:
+    path = data / CREDENTIALS_FILE
+    if made:  # secrets are shown this once; later starts only say where they are
+        shown = "".join(f"\n  {k}={v}" for k, v in credentials.client_env().items())
+        print(f"gpuflow stack: made the servers' credentials, shown this once and kept in {path} (0600):{shown}",
+              flush=True)
+    print(f"gpuflow stack: ready. On every machine, with a copy of {path} (keep it 0600):\n"
+          f"  export PREFECT_API_URL={api} MLFLOW_TRACKING_URI={ui}\n"
+          f"  set -a; . {path}; set +a", flush=True)
 
 
 def serve_stack(s: StackService) -> int:
-    """Database, migrations, then both servers until stopped; everything stopped on the way out."""
+    """Database, migrations, then both servers until stopped; what this process started stopped on the way out."""
     data = Path(s.data).expanduser().resolve()
+    data.mkdir(mode=0o700, parents=True, exist_ok=True)
+    lock = hold_lock(data)  # before anything else: a second stack on <data> touches nothing
+    os.umask(0o077)  # what the stack and its servers write is its account's alone
     cluster = None if s.database_url else Cluster(data)
     procs: list[subprocess.Popen] = []
     stop = {"signal": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(signal=True))
     try:
+        make_private(data, own_cluster=cluster is not None)
+        credentials, made = stack_credentials(data)
         if cluster:
-            cluster.start()
+            cluster.start(lock)
         url = s.database_url or cluster.url()
-        create_databases(url)
-        prefect_env = dict(os.environ, PREFECT_HOME=str(data / "prefect"),
-                           PREFECT_API_DATABASE_CONNECTION_URL=database(url, "prefect", "asyncpg"),
-                           PREFECT_SERVER_DATABASE_MIGRATE_ON_START="false", PREFECT_SERVER_ANALYTICS_ENABLED="false")
-        prefect_env.pop("PREFECT_API_URL", None)
-        mlflow_db = database(url, "mlflow", "psycopg")
-        run([sys.executable, "-m", "prefect", "server", "database", "upgrade", "-y"], "Prefect's migration", prefect_env)
+        if not cluster:
+            create_databases(url)
+        p_env, mlflow_db = prefect_env(data, url, credentials), database(url, "mlflow", "psycopg")
+        run([sys.executable, "-m", "prefect", "server", "database", "upgrade", "-y"], "Prefect's migration", p_env)
         run([sys.executable, "-m", "mlflow", "db", "upgrade", mlflow_db], "MLflow's migration")
-        (data / "artifacts").mkdir(parents=True, exist_ok=True)
         procs.append(start_supervised([sys.executable, "-m", "prefect", "server", "start", "--host", s.host,
-                                       "--port", str(s.prefect_port)], env=prefect_env))
+                                       "--port", str(s.prefect_port)], env=p_env, pass_fds=(lock,)))
         procs.append(start_supervised([sys.executable, "-m", "mlflow", "server", "--backend-store-uri", mlflow_db,
+                                       "--app-name", "basic-auth",
                                        "--serve-artifacts", "--artifacts-destination", str(data / "artifacts"),
                                        "--host", s.host, "--port", str(s.mlflow_port), "--workers", "2",
-                                       *(["--allowed-hosts", s.allowed_hosts] if s.allowed_hosts else [])]))
+                                       *(["--allowed-hosts", s.allowed_hosts] if s.allowed_hosts else [])],
+                                      env=mlflow_env(data, url, credentials), pass_fds=(lock,)))
         api, ui = f"http://{s.host}:{s.prefect_port}/api", f"http://{s.host}:{s.mlflow_port}"
-        deadline = time.monotonic() + 180
-        while not (healthy(api + "/health") and healthy(ui + "/health")):
-            if any(p.poll() is not None for p in procs) or time.monotonic() > deadline or stop["signal"]:
-                raise UserError("a server of the stack did not start; see its output above")
-            time.sleep(0.5)
-        publish_study_storage(api, database(url, "optuna", "psycopg"))
-        print(f"gpuflow stack: ready. On every machine:\n  export PREFECT_API_URL={api}\n"
-              f"  export MLFLOW_TRACKING_URI={ui}", flush=True)
+        wait_for_servers({"Prefect": (api + "/admin/version", credentials.prefect_header()),
+                          "MLflow": (ui + "/api/2.0/mlflow/experiments/search?max_results=1",
+                                     credentials.mlflow_header())}, procs, stop, data / CREDENTIALS_FILE)
+        publish_study_storage(api, database(url, "optuna", "psycopg"), credentials)
+        announce(data, credentials, made, api, ui)
         while not stop["signal"] and all(p.poll() is None for p in procs):
             time.sleep(0.5)
         return 0 if stop["signal"] else 1
     except KeyboardInterrupt:
         return 0
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)  # the reaper stops the server and all it started
-        for p in procs:
-            try:
-                p.wait(STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_all(procs)
         if cluster:
             cluster.stop()

@@ -1,20 +1,27 @@
 """The team stack (`gpuflow stack`, flows/stack.py) on a real PostgreSQL made by the command in a
 temporary folder: Prefect and MLflow servers on it, runs and a scheduled run through them, a
-model loaded back through the HTTP server alone, and everything still there after a restart."""
+model loaded back through the HTTP server alone, and everything still there after a restart; no
+way in for another account or a request without the credentials; one stack per folder, and no
+PostgreSQL left behind by a stack killed outright."""
 
 from __future__ import annotations
 
+import base64
 import datetime
+import fcntl
 import json
 import os
 import pwd
+import secrets
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.parse
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -22,17 +29,21 @@ import mlflow
 import numpy as np
 import pytest
 
+from gpuflow.flows.credentials import load_credentials
+from gpuflow.flows.stack import STUDY_VARIABLE
 from tests.helpers import child_env
 from tests.servers import BIN, free_port
 
 pytestmark = pytest.mark.slow
 
 TINY = ["--gpus", "cpu", "--strategy", "single", "--epochs", "1"]
+PREFECT_PROBE = "/admin/version"  # an API path that needs the credentials (/health and /ready do not)
+MLFLOW_PROBE = "/api/2.0/mlflow/experiments/search?max_results=1"
 
 
 def _postgres_usable() -> str | None:
-    if not (shutil.which("initdb") and shutil.which("pg_ctl")):
-        return "PostgreSQL's initdb and pg_ctl are not on the PATH"
+    if not (shutil.which("initdb") and shutil.which("postgres")):
+        return "PostgreSQL's initdb and postgres are not on the PATH"
     if os.geteuid() == 0:
         try:
             pwd.getpwnam("postgres")
@@ -50,14 +61,18 @@ class Stack:
 
     def start(self) -> None:
         log = open(self.data.parent / "stack.log", "a")
+        earlier = log.tell()  # the output of this start alone: an earlier start said "ready" too
         self.proc = subprocess.Popen([str(BIN / "gpuflow"), "stack", "--data", str(self.data), "--prefect-port",
                                       str(self.ports[0]), "--mlflow-port", str(self.ports[1])], env=child_env(),
                                      stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 240
-        while "ready" not in (self.data.parent / "stack.log").read_text().split("gpuflow stack:")[-1]:
-            assert self.proc.poll() is None, (self.data.parent / "stack.log").read_text()[-3000:]
+        while "ready" not in self.output(earlier).split("gpuflow stack:")[-1]:
+            assert self.proc.poll() is None, self.output(earlier)[-3000:]
             assert time.monotonic() < deadline, "the stack did not start"
             time.sleep(0.5)
+
+    def output(self, since: int = 0) -> str:
+        return (self.data.parent / "stack.log").read_bytes()[since:].decode(errors="replace")
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
@@ -68,8 +83,33 @@ class Stack:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
 
+    def credentials(self) -> dict:
+        """What a client loads from the stack's credentials.env."""
+        return load_credentials(self.data / "credentials.env").client_env()
+
     def env(self, **extra) -> dict:
-        return child_env(PREFECT_API_URL=self.api, MLFLOW_TRACKING_URI=self.ui, **extra)
+        return child_env(PREFECT_API_URL=self.api, MLFLOW_TRACKING_URI=self.ui, **self.credentials(), **extra)
+
+    def prefect_settings(self) -> dict:
+        from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL
+
+        return {PREFECT_API_URL: self.api, PREFECT_API_AUTH_STRING: self.credentials()["PREFECT_API_AUTH_STRING"]}
+
+    def answers(self) -> dict[str, int]:
+        """HTTP status of a GET of each server's API with the stack's credentials."""
+        c = self.credentials()
+        mlflow_user = f"{c['MLFLOW_TRACKING_USERNAME']}:{c['MLFLOW_TRACKING_PASSWORD']}"
+        return {"prefect": _status(self.api + PREFECT_PROBE, c["PREFECT_API_AUTH_STRING"]),
+                "mlflow": _status(self.ui + MLFLOW_PROBE, mlflow_user)}
+
+
+def _status(url: str, user_password: str) -> int:
+    auth = "Basic " + base64.b64encode(user_password.encode()).decode()
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers={"Authorization": auth}), timeout=30) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +121,10 @@ def stack():
     s = Stack(base / "data")
     try:
         s.start()
-        yield s
+        with pytest.MonkeyPatch.context() as env:  # MLflow clients in this process read them at each request
+            for k, v in s.credentials().items():
+                env.setenv(k, v)
+            yield s
     finally:
         s.stop()
         subprocess.run(["pkill", "-f", f"postgres -D {s.data}"], capture_output=True)
@@ -139,9 +182,9 @@ def _scheduled(stack: Stack, name: str, parameters: dict, timeout: float = 300):
     """A run of `name` scheduled a few seconds ahead, waited for until it ends."""
     from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.settings import temporary_settings
 
-    with temporary_settings({PREFECT_API_URL: stack.api}):
+    with temporary_settings(stack.prefect_settings()):
         deadline = time.monotonic() + timeout
         with get_client(sync_client=True) as client:
             while True:  # `gpuflow serve` has registered its deployments
@@ -173,9 +216,9 @@ def _load_elsewhere(stack: Stack, folder: Path, version: str) -> list[int]:
 
 def _nightly_schedule(stack: Stack) -> str:
     from prefect.client.orchestration import get_client
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.settings import temporary_settings
 
-    with temporary_settings({PREFECT_API_URL: stack.api}), get_client(sync_client=True) as client:
+    with temporary_settings(stack.prefect_settings()), get_client(sync_client=True) as client:
         (schedule,) = client.read_deployment_by_name("retrain/nightly").schedules
         return schedule.schedule.cron
 
@@ -191,7 +234,7 @@ def test_a_sweep_on_the_stack_keeps_its_study_in_the_stacks_postgresql(stack, tm
                        text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     assert not (tmp_path / "optuna.db").exists()  # not beside the user: in the stack's database
-    url = f"postgresql+psycopg://postgres@/optuna?host={stack.data / 'socket'}"
+    url = f"postgresql+psycopg://gpuflow@/optuna?host={stack.data / 'socket'}"
     study = optuna.load_study(study_name="on-the-stack", storage=url)
     assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 2
     client = mlflow.MlflowClient(stack.ui)
@@ -212,3 +255,106 @@ def test_runs_started_together_on_the_stack_all_link_the_same_dataset(stack, tmp
     assert not errors, errors
     client = mlflow.MlflowClient(stack.ui)
     assert_linked_once(client.search_runs([client.get_experiment_by_name("race").experiment_id]), 8)
+
+
+@pytest.fixture
+def stranger():
+    """A throwaway unix account, removed afterwards: another user of the stack's machine."""
+    if os.geteuid() != 0 or not shutil.which("useradd"):
+        pytest.skip("making a second unix account needs root and useradd")
+    name = f"gpuflow-t{secrets.token_hex(3)}"
+    subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", name], check=True)
+    try:
+        yield name
+    finally:
+        subprocess.run(["userdel", name], capture_output=True)
+
+
+def _as(user: str, *cmd: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["runuser", "-u", user, "--", *cmd], capture_output=True, text=True, timeout=60, cwd="/")
+
+
+def test_another_account_gets_neither_the_database_nor_the_files_nor_the_servers(stack, stranger):
+    for role in ("postgres", "gpuflow"):
+        p = _as(stranger, "psql", "-h", str(stack.data / "socket"), "-U", role, "-d", "mlflow", "-c", "SELECT 1")
+        assert p.returncode != 0, p.stdout
+    for path in (stack.data / "credentials.env", stack.data / "artifacts", stack.data / "prefect"):
+        assert _as(stranger, "ls", str(path)).returncode != 0, path
+    kept = [*stack.data.iterdir(), *(stack.data / "artifacts").rglob("*")]
+    assert [p for p in kept if p.stat().st_mode & 0o077] == []  # the stack's account's alone, whatever reaches them
+
+    # both servers, without credentials: 401, an artifact upload included; with them: answered
+    curl = ["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}"]
+    artifact = f"{stack.ui}/api/2.0/mlflow-artifacts/artifacts/0/run/artifacts/checkpoints/epoch-0001.pt"
+    asked = {"prefect": [stack.api + PREFECT_PROBE], "mlflow": [stack.ui + MLFLOW_PROBE],
+             "artifact get": [artifact], "artifact put": ["-X", "PUT", "--data-binary", "x", artifact]}
+    assert {k: _as(stranger, *curl, *args).stdout for k, args in asked.items()} == dict.fromkeys(asked, "401")
+    assert stack.answers() == {"prefect": 200, "mlflow": 200}
+
+
+def test_the_servers_database_role_cannot_run_programs(stack):
+    import psycopg
+    from prefect.settings import temporary_settings
+    from prefect.variables import Variable
+
+    with temporary_settings(stack.prefect_settings()):
+        url = urllib.parse.urlsplit(Variable.get(STUDY_VARIABLE))  # the role sweeps and the servers connect as
+    host = urllib.parse.parse_qs(url.query)["host"][0]
+    with psycopg.connect(host=host, user=url.username, dbname="optuna", autocommit=True) as conn:
+        assert conn.execute("SELECT rolsuper FROM pg_roles WHERE rolname = current_user").fetchone() == (False,)
+        conn.execute("CREATE TEMP TABLE t (x text)")
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            conn.execute("COPY t FROM PROGRAM 'id'")
+
+
+def test_a_second_stack_on_the_same_folder_refuses_in_one_line_and_the_first_keeps_running(stack):
+    p = subprocess.run([str(BIN / "gpuflow"), "stack", "--data", str(stack.data), "--prefect-port", str(free_port()),
+                        "--mlflow-port", str(free_port())], env=child_env(), capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode != 0
+    (line,) = [line for line in (p.stdout + p.stderr).splitlines() if line.strip()]
+    assert str(stack.data) in line and "stop it" in line, line
+    assert stack.answers() == {"prefect": 200, "mlflow": 200}
+
+
+def _pids_of(data: Path) -> list[int]:
+    p = subprocess.run(["pgrep", "-f", f"postgres -D {data}"], capture_output=True, text=True)
+    return [int(pid) for pid in p.stdout.split()]
+
+
+def _wait_until_free(lock: Path, timeout: float = 90) -> None:
+    """Until nothing holds the stack's lock: every process of a stack holds it until it exits."""
+    deadline = time.monotonic() + timeout
+    with open(lock) as f:
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(f, fcntl.LOCK_UN)
+                return
+            except BlockingIOError:
+                assert time.monotonic() < deadline, "processes of the killed stack are still running"
+                time.sleep(0.5)
+
+
+def test_kill_9_of_the_stack_leaves_no_postgresql_and_the_next_start_just_starts():
+    if why := _postgres_usable():
+        pytest.skip(why)
+    base = Path(tempfile.mkdtemp(prefix="gpuflow-stack-kill-"))
+    base.chmod(0o755)
+    s = Stack(base / "data")
+    try:
+        s.start()
+        assert _pids_of(s.data)
+        os.kill(s.proc.pid, signal.SIGKILL)
+        s.proc.wait()
+        deadline = time.monotonic() + 60
+        while _pids_of(s.data):
+            assert time.monotonic() < deadline, "the killed stack's PostgreSQL is still running"
+            time.sleep(0.5)
+        _wait_until_free(s.data / "stack.lock")
+        s.start()
+        assert s.answers() == {"prefect": 200, "mlflow": 200}
+    finally:
+        s.stop()
+        subprocess.run(["pkill", "-f", f"postgres -D {s.data}"], capture_output=True)
+        shutil.rmtree(base, ignore_errors=True)

@@ -1,0 +1,81 @@
+"""Who may use the team stack's servers: one credential, made at its first start, kept beside its data.
+
+    <data>/credentials.env    PREFECT_API_AUTH_STRING=gpuflow:<password>
+                              MLFLOW_TRACKING_USERNAME=gpuflow
+                              MLFLOW_TRACKING_PASSWORD=<password>
+
+The file is the stack account's alone (0600). Prefect's and MLflow's clients read these variables
+themselves, so a client loads the file into its environment (`set -a; . credentials.env; set +a`)
+and changes nothing else. The servers get the same values: Prefect's server as
+PREFECT_SERVER_API_AUTH_STRING, MLflow's basic-auth app as its admin user.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpuflow.training.errors import UserError
+
+FILE = "credentials.env"
+USERNAME = "gpuflow"
+KEYS = ("PREFECT_API_AUTH_STRING", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
+
+
+@dataclass(frozen=True)
+class Credentials:
+    prefect_auth_string: str  # user:password, as Prefect's basic auth compares it
+    mlflow_username: str
+    mlflow_password: str
+
+    def client_env(self) -> dict[str, str]:
+        """The variables Prefect's and MLflow's clients read."""
+        return dict(zip(KEYS, (self.prefect_auth_string, self.mlflow_username, self.mlflow_password)))
+
+    def prefect_header(self) -> str:
+        return "Basic " + base64.b64encode(self.prefect_auth_string.encode()).decode()
+
+    def mlflow_header(self) -> str:
+        return "Basic " + base64.b64encode(f"{self.mlflow_username}:{self.mlflow_password}".encode()).decode()
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write `text` to `path`, readable by this account alone, whatever the umask or the file's old mode."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(fd, 0o600)
+        f.write(text)
+
+
+def read_env_file(path: Path) -> dict[str, str]:
+    lines = (line.strip() for line in path.read_text().splitlines())
+    return dict(line.split("=", 1) for line in lines if line and not line.startswith("#") and "=" in line)
+
+
+def load_credentials(path: Path) -> Credentials:
+    values = read_env_file(path)
+    missing = [k for k in KEYS if not values.get(k)]
+    if missing:
+        raise UserError(f"{path} lacks {', '.join(missing)}: put back the file the stack made at its first start "
+                        f"(its lines: {', '.join(KEYS)})")
+    return Credentials(*(values[k] for k in KEYS))
+
+
+def make_credentials(path: Path) -> Credentials:
+    password = secrets.token_urlsafe(24)  # URL-safe: sourced by a shell unquoted, sent in basic auth as is
+    made = Credentials(f"{USERNAME}:{password}", USERNAME, password)
+    body = "".join(f"{k}={v}\n" for k, v in made.client_env().items())
+    write_private(path, "# gpuflow stack: the servers' credentials; load with `set -a; . <this file>; set +a`\n" + body)
+    return made
+
+
+def stack_credentials(data: Path) -> tuple[Credentials, bool]:
+    """The stack's credentials, and whether they were made just now (then, and only then, shown)."""
+    path = data / FILE
+    if path.exists():
+        path.chmod(0o600)
+        return load_credentials(path), False
+    return make_credentials(path), True
