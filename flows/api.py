@@ -8,6 +8,9 @@ only the flow is interrupted, ends its run, then stops the server. It dies with 
 Every such server on a PREFECT_HOME shares its `prefect.db`, and each migrates it as it starts:
 they start one at a time, under a file lock beside the database, held until the one starting
 answers (so its migrations are done); the kernel drops the lock if its holder dies.
+
+They share concurrency leases the same way: in PREFECT_HOME, not in one server's memory, so a
+device slot taken through one server is released (or expires) through any other on that home.
 """
 
 from __future__ import annotations
@@ -31,10 +34,18 @@ from gpuflow.training.lifetime import die_with_parent
 
 STARTUP_TIMEOUT_ENV = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"  # Prefect's own name, read by both
 STARTUP_TIMEOUT_DEFAULT_S = 180  # a `prefect server start` takes ~10 s when idle, far more on a busy host
+# Prefect's default keeps leases in the memory of the server that granted them, unseen by the others on a home.
+SERVER_DEFAULTS = {"PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE": "prefect.server.concurrency.lease_storage.filesystem"}
 
 
 def startup_timeout() -> float:
     return float(os.environ.get(STARTUP_TIMEOUT_ENV) or STARTUP_TIMEOUT_DEFAULT_S)
+
+
+def server_environment() -> dict[str, str]:
+    """The environment for a Prefect server that gpuflow starts: this one, with SERVER_DEFAULTS
+    for the settings it does not set."""
+    return {**SERVER_DEFAULTS, **os.environ}
 
 
 def _free_port() -> int:
@@ -119,7 +130,7 @@ def _start_server() -> str:
     # Its messages go to a file: a pipe nobody reads while the flow runs could fill and block it.
     log = tempfile.TemporaryFile("w+")
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True,
-                              start_new_session=True,
+                              env=server_environment(), start_new_session=True,
                               preexec_fn=functools.partial(die_with_parent, signal.SIGTERM, os.getpid()))
     # Stopped at exit, after Prefect's own exit hooks have sent their last logs and events.
     atexit.register(_stop, server)

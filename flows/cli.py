@@ -34,7 +34,7 @@ from gpuflow.training.errors import UserError
 from gpuflow.training.lifetime import exit_on_sigterm
 from gpuflow.training.refs import check_references
 
-from .api import STARTUP_TIMEOUT_DEFAULT_S, STARTUP_TIMEOUT_ENV, prefect_api
+from .api import STARTUP_TIMEOUT_DEFAULT_S, STARTUP_TIMEOUT_ENV, prefect_api, server_environment
 from .calls import one_line, quiet_libraries
 
 from .params import EvaluateParams, InferParams, PipelineParams, ScriptParams, SweepParams, origin_is
@@ -162,7 +162,7 @@ def run_service(command: str, settings) -> int:
         serve(settings)
         return 0
     if command == "server":
-        return run_supervised(server_command(settings))
+        return run_supervised(server_command(settings), env=server_environment())  # leases any server on its home sees
     from gpuflow.tasks.tracking.store import default_tracking_uri
 
     return run_supervised(ui_command(settings, default_tracking_uri()))

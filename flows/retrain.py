@@ -12,7 +12,8 @@ from prefect.artifacts import create_markdown_artifact
 
 from gpuflow.tasks.tracking import store
 from gpuflow.tasks.devices.assign import one_device_plan
-from gpuflow.tasks.devices.cards import card_locks, device_slot
+from gpuflow.tasks.devices.cards import card_locks
+from gpuflow.tasks.devices.slot import device_slot
 from gpuflow.tasks.devices.probe import probe_environment
 from gpuflow.tasks.tracking.registry import champion_version, evaluate_version, promote
 from gpuflow.tasks.tracking.results import OUTCOME_TAG

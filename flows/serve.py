@@ -22,7 +22,7 @@ from prefect import serve
 from prefect.deployments.runner import EntrypointType
 from prefect.schedules import Cron
 
-from gpuflow.tasks.devices.cards import DEVICE_LIMIT, limit_exists
+from gpuflow.tasks.devices.slot import DEVICE_LIMIT, limit_exists
 from gpuflow.training.contract import NODE_DIR_ENV
 from gpuflow.training.errors import UserError
 

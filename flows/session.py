@@ -24,7 +24,8 @@ from prefect.runtime import deployment, flow_run
 
 from gpuflow.tasks.tracking import store, tracked
 from gpuflow.tasks.devices.assign import DevicePlan, assign_devices
-from gpuflow.tasks.devices.cards import card_locks, device_slot
+from gpuflow.tasks.devices.cards import card_locks
+from gpuflow.tasks.devices.slot import device_slot
 from gpuflow.tasks.devices.probe import EnvironmentReport, probe_environment
 from gpuflow.training.refs import check_references
 

@@ -45,6 +45,7 @@ from pydantic import BaseModel, Field
 from gpuflow.training.errors import UserError
 from gpuflow.training.reaper import start_supervised
 
+from .api import server_environment
 from .credentials import FILE as CREDENTIALS_FILE
 from .credentials import Credentials, stack_credentials, write_private
 from .settings import LOOPBACK
@@ -257,7 +258,7 @@ def create_databases(url: str) -> None:
 
 
 def prefect_env(data: Path, url: str, credentials: Credentials) -> dict:
-    env = dict(os.environ, PREFECT_HOME=str(data / "prefect"),
+    env = dict(server_environment(), PREFECT_HOME=str(data / "prefect"),
                PREFECT_API_DATABASE_CONNECTION_URL=database(url, "prefect", "asyncpg"),
                PREFECT_SERVER_DATABASE_MIGRATE_ON_START="false", PREFECT_SERVER_ANALYTICS_ENABLED="false",
                PREFECT_SERVER_API_AUTH_STRING=credentials.prefect_auth_string,

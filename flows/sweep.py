@@ -34,7 +34,7 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
-from gpuflow.tasks.devices.cards import device_slot
+from gpuflow.tasks.devices.slot import device_slot
 from gpuflow.tasks.devices.probe import probe_environment
 from gpuflow.tasks.tracking import orphans, results, store, tracked
 from gpuflow.training.contract import RunFolder

@@ -2,7 +2,7 @@
 
   devices/   the device rules: probe the host (probe), the plan from a request (assign: physical
              and logical ids, CUDA_VISIBLE_DEVICES, the primary card, DataParallel ids, batch and
-             precision checks), card locks and the host's device slot (cards)
+             precision checks), card locks (cards) and the host's device slot (slot)
   tracking/  MLflow: the store and its URI (store), the run a flow owns (tracked), runs left
              RUNNING by a dead flow (orphans), results and the registered model (results,
              registered_model: the pyfunc loader, requirements), champion/challenger (registry)

@@ -50,10 +50,10 @@ def start_supervised(cmd: list[str], **popen) -> subprocess.Popen:
     return subprocess.Popen(supervised(cmd), preexec_fn=lambda: die_with_parent(signal.SIGTERM, parent), **popen)
 
 
-def run_supervised(cmd: list[str]) -> int:
+def run_supervised(cmd: list[str], **popen) -> int:
     """Run a service (`gpuflow server`, `gpuflow ui`) in the foreground: Ctrl-C, SIGTERM or the
     death of this process stops it and everything it started."""
-    proc = start_supervised(cmd)
+    proc = start_supervised(cmd, **popen)
     try:
         return proc.wait()
     except KeyboardInterrupt:  # the terminal's Ctrl-C reached the reaper too: it stops the service

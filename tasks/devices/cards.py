@@ -13,14 +13,11 @@ import fcntl
 import logging
 import os
 import pwd
-import socket
 import tempfile
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
-
-from prefect.concurrency.sync import concurrency
 
 from gpuflow.training.errors import UserError
 
@@ -29,7 +26,6 @@ if TYPE_CHECKING:  # assign.py imports this module: the plan and report are only
     from .probe import EnvironmentReport
 
 RANKS_WAIT_S = 30.0  # how long a run waits for the processes of an ended run to leave a card
-DEVICE_LIMIT = "gpuflow-devices-{host}"  # this host's device-holding served runs queue on it (flows/serve.py)
 log = logging.getLogger(__name__)
 
 
@@ -41,14 +37,14 @@ def lock_dir() -> Path:
     return Path(os.environ.get("GPUFLOW_LOCK_DIR", Path(tempfile.gettempdir()) / "gpuflow-locks"))
 
 
-def _user(uid: int) -> str:
+def user_name(uid: int) -> str:
     try:
         return pwd.getpwuid(uid).pw_name
     except KeyError:
         return str(uid)
 
 
-def _make_shared_dir(folder: Path) -> None:
+def make_shared_dir(folder: Path) -> None:
     """Create the lock folder writable by every user (sticky: nobody removes another's file)."""
     try:
         folder.mkdir(parents=True)
@@ -68,7 +64,7 @@ def _open_shared(path: Path) -> int:
         pass
     except PermissionError:
         st = path.parent.stat()
-        raise CardLockError(f"cannot create {path}: the lock folder belongs to {_user(st.st_uid)} with mode "
+        raise CardLockError(f"cannot create {path}: the lock folder belongs to {user_name(st.st_uid)} with mode "
                             f"{st.st_mode & 0o7777:o}; have its owner run `chmod 1777 {path.parent}`") from None
     else:
         os.fchmod(fd, 0o666)  # whatever this process's umask
@@ -77,7 +73,7 @@ def _open_shared(path: Path) -> int:
         return os.open(path, os.O_RDWR)
     except PermissionError:
         st = path.stat()
-        raise CardLockError(f"card lock file {path} belongs to {_user(st.st_uid)} with mode "
+        raise CardLockError(f"card lock file {path} belongs to {user_name(st.st_uid)} with mode "
                             f"{st.st_mode & 0o777:o} and this user cannot open it; have its owner run "
                             f"`chmod 666 {path}` (or remove it)") from None
 
@@ -109,7 +105,7 @@ class CardLocks:
     def try_lock(self, uuid: str, deadline: float | None = None) -> bool:
         """Take the card unless another run holds it; first wait (until `deadline`, by default
         ranks_wait_s from now) for processes of an ended run that still use it."""
-        _make_shared_dir(self.folder)
+        make_shared_dir(self.folder)
         fd = _open_shared(self.path(uuid))
         free = False
         try:
@@ -122,7 +118,7 @@ class CardLocks:
                 os.close(fd)
         if free:
             os.ftruncate(fd, 0)
-            os.write(fd, f"{os.getpid()} {_user(os.getuid())}\n".encode())  # who holds it, for a person looking
+            os.write(fd, f"{os.getpid()} {user_name(os.getuid())}\n".encode())  # who holds it, for a person looking
             self._fds.append(fd)
         return free
 
@@ -178,25 +174,3 @@ def card_locks(plan: DevicePlan):
         yield locks
     finally:
         locks.release()
-
-
-@contextmanager
-def device_slot():
-    """One slot of this host's device limit for the block: served runs that use devices queue
-    here. Without the limit (flows/serve.py creates it), as with a plain `gpuflow run`, this
-    passes quietly (Prefect's own fallback warns on every run)."""
-    name = DEVICE_LIMIT.format(host=socket.gethostname())
-    with concurrency(name, occupy=1) if limit_exists(name) else nullcontext():
-        yield
-
-
-def limit_exists(name: str) -> bool:
-    from prefect.client.orchestration import get_client
-    from prefect.exceptions import ObjectNotFound
-
-    with get_client(sync_client=True) as client:
-        try:
-            client.read_global_concurrency_limit_by_name(name)
-            return True
-        except ObjectNotFound:
-            return False

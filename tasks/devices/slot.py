@@ -1,0 +1,195 @@
+"""This host's device slot: a Prefect global concurrency limit that served runs using devices queue
+on (flows/serve.py makes it), one slot per run, so a scheduled retrain and a manual run never train
+at once.
+
+Prefect's server grants leases of 60 s at least, so a holder that dies would keep the slot that
+long: the holder renews its lease and keeps `<limit>.<lease>.slot` flocked in the card-lock folder,
+and a waiting run that finds such a file unlocked (the kernel dropped its holder's lock) releases
+that lease at once. The file also says who holds the slot, which a waiting run prints.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import socket
+import tempfile
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from uuid import UUID
+
+from .cards import lock_dir, make_shared_dir, user_name
+
+DEVICE_LIMIT = "gpuflow-devices-{host}"  # this host's device-holding served runs queue on it (flows/serve.py)
+SLOT_LEASE_S = 60.0  # the shortest lease Prefect's server grants: it bounds a dead holder no waiting run can see
+SLOT_POLL_S = 2.0  # how often a waiting run asks for the slot again and looks for dead holders
+log = logging.getLogger(__name__)
+
+
+@contextmanager
+def device_slot():
+    """One slot of this host's device limit for the block: served runs that use devices queue
+    here. Without the limit (flows/serve.py creates it), as with a plain `gpuflow run`, this
+    passes quietly. A run that waits says who holds the slot; a holder that died (kill -9, a
+    crashed worker) is seen by its unlocked holder file and its lease released at once."""
+    from prefect.client.orchestration import get_client
+
+    name = DEVICE_LIMIT.format(host=socket.gethostname())
+    if not limit_exists(name):
+        yield
+        return
+    with get_client(sync_client=True) as client:
+        lease = _take_slot(client, name)
+        try:
+            with _holder_file(name, lease), _renewed(lease):
+                yield
+        finally:
+            client.release_concurrency_slots_with_lease(lease)
+
+
+def _take_slot(client, name: str) -> UUID:
+    """The lease of a slot of `name`, asked for every SLOT_POLL_S (this thread sleeps, so a
+    SIGTERM or Ctrl-C stops the wait); dead holders' leases are released meanwhile."""
+    from prefect.exceptions import PrefectHTTPStatusError
+
+    told: list[str] | None = None
+    while True:
+        try:
+            response = client.increment_concurrency_slots_with_lease(
+                names=[name], slots=1, mode="concurrency", lease_duration=SLOT_LEASE_S, holder=_lease_holder())
+            return UUID(response.json()["lease_id"])
+        except PrefectHTTPStatusError as e:
+            if e.response.status_code != 423:  # 423 Locked: every slot is taken
+                raise
+        holders, freed = _release_dead_holders(client, name)
+        if freed:
+            continue  # ask again at once
+        if holders != told:
+            _run_log().warning("waiting for this host's device slot (Prefect concurrency limit %s), held by %s",
+                               name, "; ".join(holders) or f"a run with no holder file in {lock_dir()}")
+            told = holders
+        time.sleep(SLOT_POLL_S)
+
+
+def _lease_holder():
+    """The flow run taking the slot, recorded with its lease in Prefect (None outside a flow run)."""
+    from prefect.client.schemas.objects import ConcurrencyLeaseHolder
+    from prefect.runtime import flow_run
+
+    run_id = flow_run.get_id()
+    return ConcurrencyLeaseHolder(type="flow_run", id=run_id) if run_id else None
+
+
+def _run_log() -> logging.Logger | logging.LoggerAdapter:
+    """The flow run's logger, whose lines reach the Prefect UI too; else this module's."""
+    from prefect.exceptions import MissingContextError
+    from prefect.logging import get_run_logger
+
+    try:
+        return get_run_logger()
+    except MissingContextError:
+        return log
+
+
+def _holder_files(name: str) -> list[Path]:
+    return sorted(lock_dir().glob(f"{name}.*.slot"))
+
+
+@contextmanager
+def _holder_file(name: str, lease: UUID):
+    """`<limit>.<lease>.slot` in the lock folder, exclusively flocked for the block: the kernel
+    drops the lock when this process dies, which tells a waiting run that the lease is dead."""
+    folder = lock_dir()
+    make_shared_dir(folder)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".slot-")
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.fchmod(fd, 0o644)  # other users' runs open it to probe the lock and read who holds the slot
+    os.write(fd, _holder_text().encode())
+    path = folder / f"{name}.{lease}.slot"
+    os.replace(tmp, path)  # appears already locked: no waiter ever sees it free while its holder lives
+    try:
+        yield
+    finally:
+        _remove(path)
+        os.close(fd)
+
+
+def _holder_text() -> str:
+    from prefect.runtime import flow_run
+
+    run = flow_run.get_name()
+    return f"pid {os.getpid()} of {user_name(os.getuid())}" + (f", flow run {run!r}" if run else "")
+
+
+def _release_dead_holders(client, name: str) -> tuple[list[str], int]:
+    """Release the lease of every holder file no living process locks: who holds the others, and
+    how many were released."""
+    holders, freed = [], 0
+    for path in _holder_files(name):
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            continue  # its holder just left
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holders.append(os.read(fd, 400).decode(errors="replace"))
+            continue
+        finally:
+            os.close(fd)
+        log.warning("device slot %s: its holder died (%s); releasing its lease", name, path.name)
+        client.release_concurrency_slots_with_lease(UUID(path.stem.rsplit(".", 1)[1]))
+        freed += _remove(path)
+    return holders, freed
+
+
+def _remove(path: Path) -> bool:
+    """False if the file stays: another user's, in the sticky folder (its lease is released all the same)."""
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass  # another waiter released it first
+    except PermissionError:
+        log.debug("cannot remove %s", path)
+        return False
+    return True
+
+
+@contextmanager
+def _renewed(lease: UUID):
+    """The lease renewed by a thread while the block runs: it expires only SLOT_LEASE_S after
+    this process stops renewing it."""
+    stop = threading.Event()
+    thread = threading.Thread(target=_renew_until, args=(lease, stop), name="device-slot-lease", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def _renew_until(lease: UUID, stop: threading.Event) -> None:
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        while not stop.wait(SLOT_LEASE_S / 3):  # two renewals may fail before the lease lapses
+            try:
+                client.renew_concurrency_lease(lease, SLOT_LEASE_S)
+            except Exception as e:  # the run goes on; the slot may be given to another run meanwhile
+                log.warning("device slot lease %s not renewed: %s", lease, e)
+
+
+def limit_exists(name: str) -> bool:
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_global_concurrency_limit_by_name(name)
+            return True
+        except ObjectNotFound:
+            return False
