@@ -43,6 +43,18 @@ def test_two_epochs_straight_equal_one_epoch_resume_one_epoch(tmp_path):
     assert a["config"]["model"] == "cnn"  # the config travels in every checkpoint
 
 
+def test_a_run_keeps_its_newest_checkpoints_and_its_best_and_resumes_from_the_newest(tmp_path):
+    res = _run_inprocess(tmp_path, epochs=6, keep_checkpoints=2, **SMALL)
+    best = max(res["history"], key=lambda h: h["val_accuracy"])["epoch"]
+    kept = sorted(int(p.stem.split("-")[1]) for p in (tmp_path / "ckpt").glob("epoch-*.pt"))
+    assert kept == sorted({5, 6, best})  # 6 epochs, at most 3 files
+    again = _run_inprocess(tmp_path, epochs=7, keep_checkpoints=1, **SMALL)  # resume=auto: the newest
+    assert again["resumed_from"].endswith("epoch-0006.pt") and [h["epoch"] for h in again["history"]][-1] == 7
+    kept = sorted(int(p.stem.split("-")[1]) for p in (tmp_path / "ckpt").glob("epoch-*.pt"))
+    best = max(again["history"], key=lambda h: h["val_accuracy"])["epoch"]
+    assert kept == sorted({7, best})
+
+
 def test_checkpoint_holds_everything_needed_to_resume(tmp_path):
     res = _run_inprocess(tmp_path, epochs=1, **SMALL)
     ck = load_file(res["checkpoint"])

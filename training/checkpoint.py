@@ -199,6 +199,18 @@ class CheckpointStore:
         """
         return save_file(self.path_for(epoch), payload)
 
+    def epochs(self) -> list[int]:
+        """The epochs of the complete checkpoints in the folder, oldest first."""
+        if not self.folder.is_dir():
+            return []
+        return sorted(int(m.group(1)) for p in self.folder.iterdir() if (m := NAME.match(p.name)))
+
+    def retain(self, keep: set[int]) -> None:
+        """Delete every epoch's checkpoint but those of `keep`: a run's disk stays bounded."""
+        for epoch in self.epochs():
+            if epoch not in keep:
+                self.path_for(epoch).unlink(missing_ok=True)
+
     def latest(self) -> Path | None:
         """Newest complete checkpoint (temp files never match the name pattern)."""
         if not self.folder.is_dir():

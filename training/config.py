@@ -89,6 +89,8 @@ class Training(BaseModel):
         "never: start fresh; or a checkpoint file path",
     )
     max_steps_per_epoch: int = Field(0, ge=0, le=100_000_000, description="cap on steps per epoch; 0 = no cap")
+    keep_checkpoints: int = Field(2, ge=1, le=1_000_000, description="epoch checkpoints kept in the run's folder: "
+                                  "the newest N, plus the best by the objective's monitored metric")
 
     @field_validator("model", "objective")
     @classmethod

@@ -151,6 +151,17 @@ class Trainer:
             "history": self.history,
         }
         self.last_checkpoint = str(self.store.save(payload, self.epochs_run))
+        self.store.retain(self._kept())
+
+    def _kept(self) -> set[int]:
+        """The newest `keep_checkpoints` epochs and the best by the objective's monitored metric."""
+        newest = set(self.store.epochs()[-self.cfg.keep_checkpoints:])
+        key = f"val_{self.objective.monitor}"
+        scored = [h for h in self.history if isinstance(h.get(key), float)]
+        if not scored:
+            return newest
+        pick = max if self.objective.mode == "max" else min
+        return newest | {pick(scored, key=lambda h: h[key])["epoch"]}
 
     # --- loop ---------------------------------------------------------------------------
     def _to_device(self, batch, non_blocking: bool = False):
