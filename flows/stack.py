@@ -373,7 +373,9 @@ def serve_stack(s: StackService) -> int:
         procs.append(start_supervised([sys.executable, "-m", "mlflow", "server", "--backend-store-uri", mlflow_db,
                                        "--app-name", "basic-auth",
                                        "--serve-artifacts", "--artifacts-destination", str(data / "artifacts"),
-                                       "--host", s.host, "--port", str(s.mlflow_port), "--workers", "2",
+                                       # one worker: uvicorn's --workers N socket loses TCP_NODELAY, and every
+                                       # kept-alive call then waits out a delayed ACK (Kludex/uvicorn#3149)
+                                       "--host", s.host, "--port", str(s.mlflow_port), "--workers", "1",
                                        *(["--allowed-hosts", s.allowed_hosts] if s.allowed_hosts else [])],
                                       env=mlflow_env(data, url, credentials), pass_fds=(lock,)))
         api, ui = f"http://{s.host}:{s.prefect_port}/api", f"http://{s.host}:{s.mlflow_port}"
