@@ -284,6 +284,8 @@ def script_environment(plan: DevicePlan, run, tracking_uri: str) -> dict:
             # the previous attempt's addresses, and a restarted rank dialled a dead peer (pytorch#167288)
             "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
             OUTPUT_DIR_ENV: str(RunFolder(run.workdir).outputs)}
+    # the script's own log_metric calls queue and return: training never waits on the store's answer
+    env.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "true")
     return env
 
 

@@ -360,3 +360,24 @@ def test_the_helper_resumes_the_model_optimizer_and_random_streams(tmp_path, mon
     assert np.array_equal(again[1], after[1]) and again[2] == after[2]
     torch.testing.assert_close(again[3], after[3])  # same weights, same dropout mask
     assert fresh_opt.state_dict()["state"][0]["step"] == opt.state_dict()["state"][0]["step"]
+
+
+ASYNC_LOGGER = """\
+import os, mlflow, torch.distributed as dist
+dist.init_process_group("gloo")
+if dist.get_rank() == 0:
+    mlflow.start_run()
+    for step in range(300):
+        mlflow.log_metric("step_loss", 1.0 / (step + 1), step=step)  # queued: returns before the store answers
+    with open(os.path.join(os.environ["GPUFLOW_OUTPUT_DIR"], "async.txt"), "w") as f:
+        f.write(os.environ.get("MLFLOW_ENABLE_ASYNC_LOGGING", ""))
+dist.destroy_process_group()  # no end_run: MLflow's exit hook sends what is still queued
+"""
+
+
+def test_a_scripts_own_metric_calls_do_not_wait_on_the_store_and_none_is_lost(tmp_path, api_url):
+    folder = project(tmp_path / "proj", logger=ASYNC_LOGGER)
+    out = run_script(folder, "logger", api_url)
+    c = client(folder)
+    assert [m.step for m in c.get_metric_history(out["run_id"], "step_loss")] == list(range(300))
+    assert (folder / "runs" / out["run_id"] / "outputs" / "async.txt").read_text() == "true"
