@@ -51,10 +51,13 @@ WAITING = {"SCHEDULED", "PENDING", "LATE", "AWAITINGRETRY", "PAUSED"}
 class NodeJob(BaseModel):
     """What the parent tells each node: the job, which node it is, and the run it logs into."""
 
-    id: str = Field(description="the job's id (the parent flow run's): rendezvous id and Variable names")
-    index: int = Field(description="0 hosts the rendezvous store and publishes its endpoint")
-    name: str = Field(description="the machine's queue in the node pool; names the node in logs and artifacts")
-    run_id: str = Field(description="the parent's MLflow run, which every node attaches to")
+    # names that become folders, Variable names and store queries: their own alphabets, never a path
+    id: str = Field(pattern=r"^[A-Za-z0-9-]{1,64}$",
+                    description="the job's id (the parent flow run's): rendezvous id and Variable names")
+    index: int = Field(ge=0, le=4096, description="0 hosts the rendezvous store and publishes its endpoint")
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$",
+                      description="the machine's queue in the node pool; names the node in logs and artifacts")
+    run_id: str = Field(pattern=r"^[0-9a-f]{32}$", description="the parent's MLflow run, which every node attaches to")
 
 
 class NodeParams(PipelineParams):

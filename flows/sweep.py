@@ -39,6 +39,7 @@ from gpuflow.tasks.devices.probe import probe_environment
 from gpuflow.tasks.tracking import orphans, results, store, tracked
 from gpuflow.training.contract import RunFolder
 
+from .allow import current_policy
 from .calls import one_line
 from .params import SweepParams, flat_parameters
 from .retrain import compare_with_champion
@@ -87,6 +88,8 @@ def sweep(params: SweepParams) -> dict:
     metric, direction = objective_target(params)
     slots = Slots(params, probe_environment())
     url = storage_url(params)
+    if policy := current_policy():  # the stack's published URL is a Variable any API user may set
+        policy.check_storage(url, params.tracking_uri)
     study = open_study(params, direction, url)
     name = study_name(params)
     done = counted(study)

@@ -165,3 +165,70 @@ def test_a_local_run_passes_the_door_untouched(tmp_path, monkeypatch):
     allow.check_allowed({"tracking_uri": "http://anywhere:5000", "storage": "postgresql://h/db",
                          "model": "torchvision.models:resnet18"})
     allow.check_allowed(EvaluateParams(tracking_uri="sqlite:////tmp/anywhere.db"))
+
+
+# --- found by a review of the door as an attacker -------------------------------------------------
+
+
+def test_a_served_script_is_never_installed_code_even_inside_the_allowed_folder(served):
+    import torch.distributed.run as torchrun
+
+    everywhere = Settings(allow_code="pkgy", allow_paths="/")
+    with pytest.raises(allow.NotAllowed, match="script=.*is a file of installed Python code"):
+        allow.check_allowed({"script": torchrun.__file__}, everywhere)
+
+
+@pytest.mark.parametrize("uri", ["sqlite:///{home}/../../tmp/elsewhere/evil.db?uri=true",
+                                 "sqlite:///file:{home}/x.db?uri=true", "sqlite:///{home}/x.db?mode=ro"])
+def test_a_served_tracking_store_in_the_folders_is_a_plain_sqlite_path(served, uri):
+    with pytest.raises(allow.NotAllowed, match="records to the operator's tracking store"):
+        allow.check_allowed({"tracking_uri": uri.format(home=Path.cwd())}, served)
+    allow.check_allowed({"tracking_uri": f"sqlite:///{Path.cwd() / 'other.db'}"}, served)
+
+
+def test_sqlite_paths_are_judged_as_the_kernel_opens_them(tmp_path, monkeypatch):
+    (tmp_path / "runs" / "2024" / "x").mkdir(parents=True)
+    (tmp_path / "latest").symlink_to(tmp_path / "runs" / "2024" / "x")
+    monkeypatch.chdir(tmp_path)
+    # SQLAlchemy opens abspath(name): '..' collapses before the link is followed
+    assert sqlite_file(f"sqlite:///{tmp_path}/latest/../evil.db") == tmp_path / "evil.db"
+    # a file: URI goes to the kernel as it is: the link first, then '..'
+    assert sqlite_file(f"sqlite:///file:{tmp_path}/latest/../evil.db?uri=true") == tmp_path / "runs" / "2024" / "evil.db"
+    assert sqlite_file("sqlite:///~/x.db") == tmp_path / "~" / "x.db"  # SQLite expands no '~'
+
+
+@pytest.mark.parametrize("values", [{"nnodes": 2, "node_rank": 1, "rdzv_endpoint": "attacker:29500"},
+                                    {"rdzv_endpoint": "0.0.0.0:29500"}])
+def test_a_served_run_joins_no_rendezvous_its_caller_names(served, values):
+    with pytest.raises(allow.NotAllowed, match="joins no rendezvous its caller names"):
+        allow.check_allowed(values, served)
+
+
+@pytest.mark.parametrize("values, says", [({"model": 5}, "expected text"), ({"collect": 5}, "expected text"),
+                                          ({"runs_dir": ""}, "is outside"), ({"space": "auto"}, "space=.auto. is outside")])
+def test_odd_values_get_a_refusal_not_a_traceback(served, tmp_path, values, says):
+    narrow = Settings(allow_code="pkgy", allow_paths=str(tmp_path / "data"))  # serve's own folder not among them
+    (tmp_path / "data").mkdir()
+    with pytest.raises(allow.NotAllowed, match=says):
+        allow.check_allowed(values, narrow)
+
+
+def test_a_node_job_names_no_path_and_no_foreign_run():
+    from pydantic import ValidationError
+
+    from gpuflow.flows.nodes import NodeJob
+
+    NodeJob(id="3f2b-77", index=1, name="gpu-box.lab", run_id="0" * 32)
+    for bad in ({"name": "/../../../../tmp/t"}, {"id": "../x"}, {"run_id": "x' or '1'='1"}, {"index": -1}):
+        with pytest.raises(ValidationError):
+            NodeJob(**{"id": "j", "index": 0, "name": "a", "run_id": "0" * 32, **bad})
+
+
+def test_a_crash_hook_never_opens_a_store_the_caller_named(served, monkeypatch):
+    from gpuflow.tasks.tracking.orphans import hooked_store
+
+    policy = allow.current_policy(served)
+    monkeypatch.setenv(POLICY_ENV, policy.to_env())
+    assert hooked_store("http://attacker.example:5000") == policy.home_store
+    assert hooked_store(None) == policy.home_store
+    assert hooked_store(policy.home_store) == policy.home_store

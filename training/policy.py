@@ -79,14 +79,25 @@ class Policy:
     def check_params(self, params) -> None:
         """Every reference, path and store a flow's parameters name (a model or a raw dict)."""
         for name in REFERENCE_FIELDS:
-            if is_reference(value := _get(params, name)):
+            if not isinstance(value := _get(params, name), (str, type(None))):
+                raise NotAllowed(f"{name}={value!r}: expected text (a built-in name or a reference)")
+            if is_reference(value):
                 self.check_reference(name, value, str(Path.cwd()))
         if isinstance(dataset := _get(params, "dataset"), str) and dataset.startswith("imagefolder:"):
             self.check_path("dataset", dataset, dataset.split(":", 1)[1])
         for name in PATH_FIELDS:
-            if (value := _get(params, name)) not in (None, "", "auto", "never"):
-                self.check_path(name, value)
-        for pattern in _get(params, "collect") or []:  # read from the run's working folder
+            value = _get(params, name)
+            if value is None or (name == "resume" and value in ("auto", "never")):
+                continue
+            path = self.check_path(name, value)
+            if name == "script" and is_library_file(path):
+                raise NotAllowed(f"script={value!r} is a file of installed Python code ({path}); a served run "
+                                 "runs a script of your project")
+        if (_get(params, "nnodes") or 1) != 1 or _get(params, "rdzv_endpoint") is not None:
+            raise NotAllowed("nnodes/rdzv_endpoint: a served run joins no rendezvous its caller names (its ranks "
+                             "would trust that endpoint's store); place it on the pool's machines with nodes=N")
+        collect = _get(params, "collect") or []
+        for pattern in collect if isinstance(collect, list) else [collect]:  # read from the run's working folder
             self.check_path("collect", pattern)
         tracking = _get(params, "tracking_uri")
         if tracking is not None:
@@ -133,7 +144,8 @@ class Policy:
         uri = _text(name, uri)
         if same_store(uri, self.home_store) or any(same_store(uri, s) for s in self.stores):
             return
-        if (file := sqlite_file(uri)) is not None and any(file == f or f in file.parents for f in self.folders):
+        file = sqlite_file(uri)
+        if file is not None and _plain_sqlite(uri) and any(file == f or f in file.parents for f in self.folders):
             return
         raise NotAllowed(f"{name}={_hide_password(uri)!r}: a served run records to the operator's tracking store "
                          f"({_hide_password(self.home_store)}) or a SQLite file in the folders it may use ({self.shown}); "
@@ -166,7 +178,9 @@ class Policy:
             if config.get(name) is not None:
                 self.check_path(f"{source}: {name}", config[name])
         for name in (*REFERENCE_FIELDS, "reference"):
-            if is_reference(value := config.get(name)):
+            if not isinstance(value := config.get(name), (str, type(None))):
+                raise NotAllowed(f"{source}: {name}={value!r} is not a name or reference")
+            if is_reference(value):
                 self.check_reference(f"{source}: {name}", value, code_root)
         if isinstance(dataset := config.get("dataset"), str) and dataset.startswith("imagefolder:"):
             self.check_path(f"{source}: dataset", dataset, dataset.split(":", 1)[1])
@@ -209,11 +223,22 @@ def sqlite_file(url: str) -> Path | None:
     if str(u.query.get("uri", "")).lower() in ("true", "1") or database.startswith("file:"):
         parts = urllib.parse.urlsplit(database)
         if parts.scheme != "file" or parts.netloc not in ("", "localhost"):
-            return Path(database)  # not a URI SQLite would parse: the literal name, as a file
+            return _opened(database)  # not a URI SQLite would parse: the literal name, as a file
         if "memory" in (u.query.get("mode"), *urllib.parse.parse_qs(parts.query).get("mode", [])):
             return None
-        database = urllib.parse.unquote(parts.path)
-    return Path(database).expanduser().resolve()
+        return _opened(urllib.parse.unquote(parts.path))  # the kernel resolves it: links first, then '..'
+    return _opened(os.path.abspath(database))  # SQLAlchemy hands SQLite abspath(name): '..' collapsed first
+
+
+def _opened(name: str) -> Path:
+    """The file the kernel opens for `name` from this folder (no '~' expansion: SQLite does none)."""
+    return Path(os.path.join(os.getcwd(), name)).resolve()
+
+
+def _plain_sqlite(uri: str) -> bool:
+    """sqlite:///<path> with no query and no `file:` URI: the form every part of gpuflow reads alike."""
+    rest = uri.split(":///", 1)[-1]
+    return uri.startswith("sqlite:///") and "?" not in uri and not rest.startswith("file:")
 
 
 def same_store(a: str, b: str) -> bool:

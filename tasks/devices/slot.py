@@ -14,6 +14,7 @@ import fcntl
 import logging
 import os
 import socket
+import stat
 import tempfile
 import threading
 import time
@@ -129,11 +130,16 @@ def _release_dead_holders(client, name: str) -> tuple[list[str], int]:
     how many were released."""
     holders, freed = [], 0
     for path in _holder_files(name):
+        lease = _lease_of(path)
+        if lease is None:
+            continue  # not a holder file (another account's stray or planted name): nothing to release
+        try:  # never follow a link, never block on a FIFO planted under that name
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue  # its holder just left, or it is no plain file
         try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            continue  # its holder just left
-        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                continue
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
             holders.append(os.read(fd, 400).decode(errors="replace"))
@@ -141,9 +147,17 @@ def _release_dead_holders(client, name: str) -> tuple[list[str], int]:
         finally:
             os.close(fd)
         log.warning("device slot %s: its holder died (%s); releasing its lease", name, path.name)
-        client.release_concurrency_slots_with_lease(UUID(path.stem.rsplit(".", 1)[1]))
+        client.release_concurrency_slots_with_lease(lease)
         freed += _remove(path)
     return holders, freed
+
+
+def _lease_of(path: Path) -> UUID | None:
+    """The lease a holder file names (`<limit>.<lease>.slot`), or None for any other name."""
+    try:
+        return UUID(path.stem.rsplit(".", 1)[1])
+    except (ValueError, IndexError):
+        return None
 
 
 def _remove(path: Path) -> bool:

@@ -53,13 +53,29 @@ def reap_orphaned_runs(client: MlflowClient) -> list[str]:
     return reaped
 
 
+def hooked_store(given) -> str:
+    """The store a hook may open for a flow run's `tracking_uri` parameter, as the caller sent it (the
+    flow may have refused it before it ran): under a served policy, only one the policy allows,
+    else the operator's own; never an address a caller named to collect the credentials."""
+    from gpuflow.training.policy import NotAllowed, Policy
+
+    policy = Policy.from_env()
+    if policy is None:
+        return given if isinstance(given, str) and given else default_tracking_uri()
+    try:
+        policy.check_store("tracking_uri", given)
+        return given
+    except NotAllowed:
+        return policy.home_store
+
+
 def end_flow_run_mlflow_runs(flow, flow_run, state) -> None:
     """Prefect state hook (on_crashed, on_cancellation): end the flow run's MLflow run KILLED.
 
     For a served run whose process was killed or cancelled: Prefect's runner calls this in its
     own process, where the flow's `finally` never ran.
     """
-    uri = (flow_run.parameters or {}).get("tracking_uri") or default_tracking_uri()
+    uri = hooked_store((flow_run.parameters or {}).get("tracking_uri"))
     client = MlflowClient(uri)
     ids = [e.experiment_id for e in client.search_experiments()]
     if not ids:

@@ -120,9 +120,11 @@ class MetricsRelay(threading.Thread):
                 print(f"gpuflow: could not read metrics line {line[:200]!r}: {type(e).__name__}: {e}", flush=True)
         if not lines:
             return
-        if self.on_metrics is not None:
-            for step, _, metrics in lines:
+        for step, _, metrics in lines if self.on_metrics is not None else []:
+            try:
                 self.on_metrics(step, metrics)
+            except Exception as e:  # noqa: BLE001 - the listener's failure must not lose the metrics
+                print(f"gpuflow: metrics of step {step} not handed on: {type(e).__name__}: {e}", flush=True)
         try:
             self.client.log_batch(self.run_id, metrics=[Metric(k, v, ts, step) for step, ts, metrics in lines
                                                         for k, v in metrics.items()], synchronous=True)
