@@ -53,6 +53,8 @@ def parse_args():
     p.add_argument("--lr", type=float, default=0.001)
     p.add_argument("--optimizer", choices=["adam", "sgd"], default="adam", help="sgd: momentum 0.9, as gpuflow's")
     p.add_argument("--val", action="store_true", help="print {\"val_accuracy\": ...} after the last epoch")
+    p.add_argument("--val-each-epoch", action="store_true", help="add val_accuracy to every epoch's line (a "
+                   "plain Optuna pruner's input)")
     return p.parse_args()
 
 
@@ -65,7 +67,8 @@ def main():
     dataset = TensorDataset(bundle.train.x, bundle.train.y)
     model = SimpleNN() if args.model == "mlp" else build_model(args.model, bundle.num_classes,
                                                                 tuple(bundle.train.x.shape[1:]))
-    train(model, dataset, args.epochs, args.batch_size, ddp, rank, world, args.lr, args.optimizer)
+    train(model, dataset, args.epochs, args.batch_size, ddp, rank, world, args.lr, args.optimizer,
+          bundle.val if args.val_each_epoch else None)
     if args.val and rank == 0:
         print(json.dumps({"val_accuracy": accuracy(model, bundle.val)}), flush=True)
 
@@ -86,9 +89,9 @@ def start() -> tuple[bool, int, int]:
 
 
 def train(model: nn.Module, dataset, epochs: int, batch_size: int, ddp: bool, rank: int, world: int,
-          lr: float = 0.001, optimizer_name: str = "adam") -> None:
+          lr: float = 0.001, optimizer_name: str = "adam", val=None) -> None:
     """The seeds' loop: DistributedSampler + DataLoader, DDP, Adam, cross-entropy; one JSON line
-    per epoch on rank 0; then leaves the group."""
+    per epoch on rank 0 (with the held-out accuracy when `val` is given); then leaves the group."""
     sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=42)
     loader = DataLoader(dataset, batch_size=batch_size // world, sampler=sampler)
     model = DDP(model) if ddp else model
@@ -106,8 +109,10 @@ def train(model: nn.Module, dataset, epochs: int, batch_size: int, ddp: bool, ra
             seen += len(labels)
         elapsed = time.perf_counter() - start_s
         if rank == 0:
+            scored = {"val_accuracy": accuracy(model, val)} if val is not None else {}
+            model.train()
             print(json.dumps({"epoch": epoch + 1, "samples_per_s": seen * world / elapsed,
-                              "loss": loss.item()}), flush=True)
+                              "loss": loss.item(), **scored}), flush=True)
     if ddp:
         dist.barrier()  # leave together: a rank tearing gloo down early can abort (SIGABRT) the other
         dist.destroy_process_group()
