@@ -16,7 +16,7 @@ process of the stack). Without --database-url, a PostgreSQL cluster of its own l
 <data>/postgres, runs under the reaper (it stops with the stack, however the stack ends), and
 listens on a Unix socket in <data>/socket only, with peer authentication: the stack's account is
 mapped to the role `gpuflow`, which owns the databases and is no superuser, and nobody else gets
-in. Run as root, PostgreSQL runs as the `postgres` system user. With --database-url it uses that
+in (flows/postgres.py). Run as root, PostgreSQL runs as the `postgres` system user. With --database-url it uses that
 server's databases `prefect`, `mlflow`, `mlflow_auth` and `optuna` (created if it may). The schemas
 are migrated once before the servers start: servers started together would race on migrations.
 Sweeps keep their Optuna studies in its database `optuna`: the stack publishes that URL in the
@@ -30,7 +30,6 @@ import fcntl
 import os
 import pwd
 import secrets
-import shutil
 import signal
 import subprocess
 import sys
@@ -43,16 +42,14 @@ from pathlib import Path
 from pydantic import BaseModel, Field
 
 from gpuflow.training.errors import UserError
-from gpuflow.training.reaper import start_supervised
+from gpuflow.training.reaper import start_supervised, stop_supervised
 
 from .api import server_environment
 from .credentials import FILE as CREDENTIALS_FILE
 from .credentials import Credentials, stack_credentials, write_private
+from .postgres import Cluster, create_databases, database, run
 from .settings import LOOPBACK
 
-DATABASES = ("prefect", "mlflow", "mlflow_auth", "optuna")
-ROLE = "gpuflow"  # owns the databases; the servers and sweeps connect as it; no superuser, so no COPY ... PROGRAM
-SUPERUSER = "postgres"  # the cluster's own superuser: the stack's setup alone
 STUDY_VARIABLE = "gpuflow_sweep_storage"  # the Prefect Variable where sweeps find the stack's study database
 MLFLOW_DEFAULT_PERMISSION = "READ"  # what a user the admin adds may do before being granted more
 STOP_GRACE_S = 30
@@ -72,20 +69,6 @@ class StackService(BaseModel):
     mlflow_port: int = Field(5000, ge=1, le=65535, description="port of the MLflow tracking server")
     allowed_hosts: str | None = Field(None, description="host names clients reach the MLflow server by, when not "
                                       "its address (MLflow's --allowed-hosts, comma-separated)")
-
-
-def as_postgres(cmd: list[str]) -> list[str]:
-    """PostgreSQL refuses to run as root: then its tools run as the `postgres` system user. setpriv
-    execs the command (runuser stays between, and kills PostgreSQL two seconds after passing on a stop)."""
-    if os.geteuid() != 0:
-        return cmd
-    return ["setpriv", "--reuid=postgres", "--regid=postgres", "--init-groups", "--", *cmd]
-
-
-def run(cmd: list[str], what: str, env: dict | None = None) -> None:
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if p.returncode != 0:
-        raise UserError(f"{what} failed (exit {p.returncode}): {(p.stderr or p.stdout).strip()[-1500:]}")
 
 
 def hold_lock(data: Path) -> int:
@@ -120,141 +103,6 @@ def make_private(data: Path, own_cluster: bool) -> None:
         if f.is_file():
             os.chown(f, os.geteuid(), os.getegid())
             f.chmod(0o600)
-
-
-class Cluster:
-    """A PostgreSQL cluster of the stack's own, under the reaper, on a Unix socket in <data>/socket."""
-
-    def __init__(self, data: Path):
-        self.dir, self.socket, self.log = data / "postgres", data / "socket", data / "postgres.log"
-        self.account = pwd.getpwuid(os.geteuid()).pw_name  # the servers' OS user: mapped to ROLE
-        self.owner = "postgres" if os.geteuid() == 0 else self.account  # the OS user PostgreSQL runs as
-        self.proc: subprocess.Popen | None = None
-
-    def start(self, lock: int) -> None:
-        missing = [t for t in ("initdb", "postgres") if not shutil.which(t)]
-        if missing:
-            raise UserError(f"{' and '.join(missing)} not found: install PostgreSQL (15 or later), or give "
-                            "--database-url of a running server")
-        self._prepare_folders()
-        if not (self.dir / "PG_VERSION").is_file():
-            run(as_postgres(["initdb", "-D", str(self.dir), "-U", SUPERUSER, "--auth-local=peer",
-                             "--auth-host=scram-sha-256", "--no-instructions"]), "initdb")
-        self._write_access_rules()
-        with open(self.log, "a") as log:
-            self.proc = start_supervised(as_postgres(
-                ["postgres", "-D", str(self.dir), "-k", str(self.socket), "-c", "listen_addresses=",
-                 "-c", "unix_socket_permissions=0700"]), stdout=log, stderr=subprocess.STDOUT, pass_fds=(lock,))
-        self._wait_ready()
-        self._set_up_role()
-
-    def _prepare_folders(self) -> None:
-        for path in (self.dir, self.socket):
-            path.mkdir(mode=0o700, exist_ok=True)  # made here: PostgreSQL's user may not write in <data>
-            path.chmod(0o700)
-            shutil.chown(path, self.owner)
-        self.log.touch(mode=0o600)
-
-    def _write_access_rules(self) -> None:
-        """Peer authentication on the socket alone; pg_ident.conf says which OS user may be which role."""
-        hba = "# written by gpuflow stack at each start\nlocal all all peer map=stack\n"
-        idents = dict.fromkeys([(self.owner, SUPERUSER), (self.account, SUPERUSER), (self.account, ROLE)])
-        ident = "# written by gpuflow stack at each start\n" + "".join(f"stack {u} {r}\n" for u, r in idents)
-        for name, text in (("pg_hba.conf", hba), ("pg_ident.conf", ident)):
-            write_private(self.dir / name, text)
-            shutil.chown(self.dir / name, self.owner)
-
-    def _conninfo(self, user: str, dbname: str) -> dict:
-        return dict(host=str(self.socket), user=user, dbname=dbname)
-
-    def _wait_ready(self) -> None:
-        import psycopg
-
-        deadline = time.monotonic() + READY_S
-        while True:
-            try:
-                psycopg.connect(**self._conninfo(SUPERUSER, "postgres")).close()
-                return
-            except psycopg.OperationalError as e:
-                starting = e.sqlstate in (None, "57P03")  # nothing listens yet, or "the database system is starting up"
-                if not starting or self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise UserError(f"PostgreSQL did not start in {self.dir} ({str(e).strip()}); its log: "
-                                    f"{self.log}") from None
-            time.sleep(0.2)
-
-    def _set_up_role(self) -> None:
-        """ROLE, no superuser, owns the stack's databases (and the objects an older stack made in them)."""
-        import psycopg
-
-        with psycopg.connect(**self._conninfo(SUPERUSER, "postgres"), autocommit=True) as conn:
-            if not conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (ROLE,)).fetchone():
-                conn.execute(f'CREATE ROLE "{ROLE}"')
-            conn.execute(f'ALTER ROLE "{ROLE}" LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS')
-            have = {r[0] for r in conn.execute("SELECT datname FROM pg_database")}
-            for name in DATABASES:
-                if name in have:
-                    conn.execute(f'ALTER DATABASE "{name}" OWNER TO "{ROLE}"')
-                else:
-                    conn.execute(f'CREATE DATABASE "{name}" OWNER "{ROLE}"')
-        for name in have.intersection(DATABASES):
-            with psycopg.connect(**self._conninfo(SUPERUSER, name), autocommit=True) as conn:
-                conn.execute(HAND_OVER)
-
-    def stop(self) -> None:
-        """Fast shutdown: SIGINT, which the reaper passes on (sessions ended, a checkpoint, exit)."""
-        if self.proc:
-            stop_all([self.proc], signal.SIGINT)
-
-    def url(self) -> str:
-        return f"postgresql://{ROLE}@/?host={urllib.parse.quote(str(self.socket), safe='/')}"
-
-
-# The objects a stack made before ROLE existed (its superuser's) go to ROLE: tables first, as
-# they take their own sequences along; members of extensions stay where the extension put them.
-HAND_OVER = f"""
-DO $$
-DECLARE r record;
-BEGIN
-  FOR r IN SELECT oid::regclass AS name FROM pg_class WHERE relnamespace = 'public'::regnamespace
-           AND relkind IN ('r', 'p', 'v', 'm', 'f') AND relowner <> '{ROLE}'::regrole LOOP
-    EXECUTE format('ALTER TABLE %s OWNER TO {ROLE}', r.name);
-  END LOOP;
-  FOR r IN SELECT oid::regclass AS name FROM pg_class WHERE relnamespace = 'public'::regnamespace
-           AND relkind = 'S' AND relowner <> '{ROLE}'::regrole LOOP
-    EXECUTE format('ALTER SEQUENCE %s OWNER TO {ROLE}', r.name);
-  END LOOP;
-  FOR r IN SELECT oid::regtype AS name, typtype FROM pg_type WHERE typnamespace = 'public'::regnamespace
-           AND typtype IN ('e', 'd') AND typowner <> '{ROLE}'::regrole LOOP
-    EXECUTE format('ALTER %s %s OWNER TO {ROLE}', CASE r.typtype WHEN 'd' THEN 'DOMAIN' ELSE 'TYPE' END, r.name);
-  END LOOP;
-  FOR r IN SELECT p.oid::regprocedure AS name FROM pg_proc p WHERE p.pronamespace = 'public'::regnamespace
-           AND p.proowner <> '{ROLE}'::regrole AND NOT EXISTS (SELECT 1 FROM pg_depend d
-             WHERE d.classid = 'pg_proc'::regclass AND d.objid = p.oid AND d.deptype = 'e') LOOP
-    EXECUTE format('ALTER ROUTINE %s OWNER TO {ROLE}', r.name);
-  END LOOP;
-END $$
-"""
-
-
-def database(url: str, name: str, driver: str) -> str:
-    """`url` (postgresql://...) with database `name` and the SQLAlchemy driver (`asyncpg`, `psycopg`)."""
-    parts = urllib.parse.urlsplit(url)
-    return urllib.parse.urlunsplit((f"postgresql+{driver}", parts.netloc, f"/{name}", parts.query, ""))
-
-
-def create_databases(url: str) -> None:
-    """The databases on a server given by --database-url, as its user (who then owns them)."""
-    import psycopg
-
-    parts = urllib.parse.urlsplit(url)
-    query = dict(urllib.parse.parse_qsl(parts.query))
-    conninfo = dict(host=query.get("host", parts.hostname), port=parts.port, user=parts.username,
-                    password=parts.password, dbname="postgres")
-    with psycopg.connect(**{k: v for k, v in conninfo.items() if v}, autocommit=True) as conn:
-        have = {r[0] for r in conn.execute("SELECT datname FROM pg_database")}
-        for name in DATABASES:
-            if name not in have:
-                conn.execute(f'CREATE DATABASE "{name}"')
 
 
 def prefect_env(data: Path, url: str, credentials: Credentials) -> dict:
@@ -323,19 +171,6 @@ def wait_for_servers(checks: dict[str, tuple[str, str]], procs: list[subprocess.
         time.sleep(0.5)
 
 
-def stop_all(procs: list[subprocess.Popen], sig: int = signal.SIGTERM) -> None:
-    """Stop each reaper (it stops its server and all it started), killed if it outlasts the grace."""
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(sig)
-    for p in procs:
-        try:
-            p.wait(STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-
-
 def announce(data: Path, credentials: Credentials, made: bool, api: str, ui: str) -> None:
     path = data / CREDENTIALS_FILE
     if made:  # secrets are shown this once; later starts only say where they are
@@ -390,6 +225,6 @@ def serve_stack(s: StackService) -> int:
     except KeyboardInterrupt:
         return 0
     finally:
-        stop_all(procs)
+        stop_supervised(procs, grace_s=STOP_GRACE_S)
         if cluster:
             cluster.stop()

@@ -60,6 +60,19 @@ def run_supervised(cmd: list[str], **popen) -> int:
         return proc.wait()
 
 
+def stop_supervised(procs: list[subprocess.Popen], sig: int = signal.SIGTERM, grace_s: float = 30.0) -> None:
+    """Stop each reaper (it stops its server and all it started), killed if it outlasts the grace."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(sig)
+    for p in procs:
+        try:
+            p.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
 def _become_subreaper() -> None:
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
