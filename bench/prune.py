@@ -19,17 +19,15 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import multiprocessing
 import subprocess
 import tempfile
 import textwrap
-import time
 from pathlib import Path
 
 import optuna
 
 from bench.common import PY, ROOT, env, run
-from bench.sweep import BARE, SPACE, client, fresh, sampler, study, sweep_cmd, trial_runs
+from bench.sweep import BARE, SPACE, client, fresh, run_processes, sampler, study, sweep_cmd, trial_runs
 from tests.servers import prefect_server
 
 SAVED_GOAL, SCORE_GOAL = 0.90, 0.005
@@ -72,16 +70,9 @@ def plain_process(storage: str, n: int, seed: int, trials: int, epochs: int, spa
 def plain_arm(tmp: Path, a) -> dict:
     storage = f"sqlite:///{tmp / 'plain.db'}"
     optuna.create_study(study_name="plain", storage=storage, direction="maximize", pruner=pruner())
-    spawn = multiprocessing.get_context("spawn")
     shares = [a.trials // 2 + (k < a.trials % 2) for k in range(2)]
-    procs = [spawn.Process(target=plain_process, args=(storage, n, a.seed + k, a.trials, a.epochs,
-                                                       str(tmp / "space.yaml"))) for k, n in enumerate(shares)]
-    start = time.perf_counter()
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join()
-    wall = time.perf_counter() - start
+    wall = run_processes(plain_process, [(storage, n, a.seed + k, a.trials, a.epochs, str(tmp / "space.yaml"))
+                                         for k, n in enumerate(shares)])
     done = optuna.load_study(study_name="plain", storage=storage).trials
     return {"wall": wall, "epochs": sum(t.user_attrs.get("epochs", 0) for t in done),
             "pruned": sum(t.state.name == "PRUNED" for t in done),

@@ -68,15 +68,10 @@ def optuna_process(storage: str, study: str, n: int, seed: int, trials: int, epo
     s.optimize(objective, n_trials=n, n_jobs=1)
 
 
-def optuna_arm(tmp: Path, a, processes: int) -> tuple[float, dict]:
-    """Wall of `processes` Optuna processes sharing one SQLite study, `a.trials` trials in all."""
-    storage = f"sqlite:///{tmp / 'optuna.db'}"
-    optuna.create_study(study_name="plain", storage=storage, direction="maximize")
+def run_processes(target, each: list[tuple]) -> float:
+    """Seconds for one spawned process per argument tuple of `each`, all running at once."""
     spawn = multiprocessing.get_context("spawn")
-    shares = [a.trials // processes + (k < a.trials % processes) for k in range(processes)]
-    procs = [spawn.Process(target=optuna_process, args=(storage, "plain", n, a.seed + k, a.trials, a.epochs,
-                                                          str(tmp.parent / "space.yaml")))
-             for k, n in enumerate(shares)]
+    procs = [spawn.Process(target=target, args=args) for args in each]
     start = time.perf_counter()
     for p in procs:
         p.start()
@@ -84,6 +79,16 @@ def optuna_arm(tmp: Path, a, processes: int) -> tuple[float, dict]:
         p.join()
     wall = time.perf_counter() - start
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    return wall
+
+
+def optuna_arm(tmp: Path, a, processes: int) -> tuple[float, dict]:
+    """Wall of `processes` Optuna processes sharing one SQLite study, `a.trials` trials in all."""
+    storage = f"sqlite:///{tmp / 'optuna.db'}"
+    optuna.create_study(study_name="plain", storage=storage, direction="maximize")
+    shares = [a.trials // processes + (k < a.trials % processes) for k in range(processes)]
+    wall = run_processes(optuna_process, [(storage, "plain", n, a.seed + k, a.trials, a.epochs,
+                                           str(tmp.parent / "space.yaml")) for k, n in enumerate(shares)])
     done = optuna.load_study(study_name="plain", storage=storage).get_trials(deepcopy=False)
     busy = sum((t.datetime_complete - t.datetime_start).total_seconds() for t in done)
     return wall, {"busy": busy / (SLOTS * wall), "best": max(t.value for t in done)}
