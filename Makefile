@@ -5,7 +5,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 # Addresses are gpuflow settings (127.0.0.1:4200 for Prefect, :5000 for MLflow); change them
 # with GPUFLOW_PREFECT_HOST / _PORT and GPUFLOW_MLFLOW_HOST / _PORT (gpuflow/flows/settings.py).
 
-.PHONY: run test probe server serve ui bench clean
+.PHONY: run test test-fast probe server serve ui bench clean
 
 $(VENV_OK): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -18,6 +18,9 @@ run: $(VENV_OK)          ## the main job: the training pipeline flow on its defa
 
 test: $(VENV_OK)         ## the test suite (CPU; gpu-marked tests skip without CUDA)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: $(VENV_OK)    ## the pure parts only (parameters, space, devices, rules), under a minute
+	$(PY) -m pytest -m fast $(PYTEST_ARGS)
 
 probe: $(VENV_OK)        ## print what this machine offers for training
 	.venv/bin/gpuflow probe

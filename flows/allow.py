@@ -21,7 +21,8 @@ from .settings import Settings
 def operator_policy(settings: Settings) -> Policy:
     """The policy of `gpuflow serve`'s options; its own tracking store (MLFLOW_TRACKING_URI, else
     mlflow.db in serve's folder) is always allowed."""
-    from gpuflow.tasks.tracking.store import absolute_uri, default_tracking_uri
+    from gpuflow.tasks.tracking.store import default_tracking_uri
+    from gpuflow.training.uris import absolute_uri
 
     return Policy(frozenset(settings.allowed_packages), tuple(settings.allowed_folders),
                   absolute_uri(default_tracking_uri()), tuple(settings.allowed_stores))

@@ -12,12 +12,16 @@ deployment, or a Prefect user's own flow (`train_pipeline(...)` as a subflow).
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import sys
+from typing import Annotated, Any, Callable
 
+import annotated_types
 from pydantic import BaseModel, ValidationError
 
+from gpuflow.tasks.failure import TrainingFailed
 from gpuflow.training.errors import UserError
 
 SHOWN = 300  # characters of a value echoed in a refusal
@@ -61,6 +65,32 @@ def quiet_libraries() -> None:
         logging.getLogger("mlflow").setLevel(logging.WARNING)  # MLflow read the variable when imported
 
 
+class UserErrorOnce(logging.Filter):
+    """A user error raised inside a flow (or a training failure, whose output was streamed
+    already) reaches the console once, as gpuflow's one line: Prefect's tracebacks and
+    failure states repeating it are dropped there (not in the Prefect UI, whose log handler
+    this filter is not on)."""
+
+    def __init__(self):
+        super().__init__()
+        self.messages: list[str] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, (UserError, TrainingFailed)):
+            self.messages.append(str(error).splitlines()[0])
+            return False
+        return not any(m in record.getMessage() for m in self.messages)
+
+
+def report_user_errors_once() -> None:
+    import prefect  # noqa: F401  (its logging setup puts the console handler on the root logger)
+
+    once = UserErrorOnce()
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(once)
+
+
 def warn_on_prefects_temporary_api() -> None:
     from prefect.settings import PREFECT_API_URL
 
@@ -81,3 +111,35 @@ def entered(model: type[BaseModel], values: dict) -> BaseModel:
     quiet_libraries()
     warn_on_prefects_temporary_api()
     return params
+
+
+def _schema_type(field) -> Any:
+    """The field's type with its bounds, for the Prefect form (validation stays with the model)."""
+    bounds = [m for m in field.metadata if isinstance(m, annotated_types.BaseMetadata)]
+    return Annotated[(field.annotation, *bounds)] if bounds else field.annotation
+
+
+def flat_parameters(model: type[BaseModel]) -> Callable[[Callable[[Any], Any]], Callable[..., Any]]:
+    """Give `fn(params: model)` the flat keyword signature of `model`'s user fields.
+
+    Prefect builds a flow's parameters, its UI form and its deployments' defaults from the
+    function's signature and docstring; this sets both from the one declaration, and the
+    call validates the values once, by building `model` (flows/calls.py: one line per bad value).
+    """
+    fields = model.model_fields
+
+    def wrap(fn: Callable[[Any], Any]) -> Callable[..., Any]:
+        def flat(**values):
+            return fn(entered(model, values))
+
+        flat.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+            [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY,
+                               default=inspect.Parameter.empty if f.is_required() else f.default,
+                               annotation=_schema_type(f)) for name, f in fields.items()],
+            return_annotation=inspect.signature(fn).return_annotation)
+        args = "\n".join(f"    {name}: {(f.description or name).strip()}" for name, f in fields.items())
+        flat.__doc__ = f"{inspect.getdoc(fn) or ''}\n\nArgs:\n{args}\n"
+        flat.__name__, flat.__qualname__, flat.__module__ = fn.__name__, fn.__qualname__, fn.__module__
+        return flat
+
+    return wrap

@@ -21,7 +21,6 @@ import argparse
 import contextlib
 import gc
 import json
-import logging
 import os
 import signal
 import sys
@@ -35,65 +34,15 @@ from gpuflow.training.lifetime import exit_on_sigterm
 from gpuflow.training.refs import check_references
 
 from .api import STARTUP_TIMEOUT_DEFAULT_S, STARTUP_TIMEOUT_ENV, prefect_api, server_environment
-from .calls import one_line, quiet_libraries
+from .calls import one_line, quiet_libraries, report_user_errors_once
+from .options import add_model, rest_field
 
-from .params import EvaluateParams, InferParams, PipelineParams, ScriptParams, SweepParams, origin_is
+from .params import EvaluateParams, InferParams, PipelineParams, ScriptParams, SweepParams
 from .settings import NodeService, Settings, server_command, ui_command
 from .stack import StackService
 
 quiet_libraries()  # before MLflow is imported, which reads its logging level once
 os.environ.setdefault(STARTUP_TIMEOUT_ENV, str(STARTUP_TIMEOUT_DEFAULT_S))  # for every server a command starts
-
-REST = "rest"  # json_schema_extra={"cli": REST}: the field takes every argument after `--`
-
-
-def _json_arg(flag: str, kind: type):
-    example = '{"width": 512}' if kind is dict else '["--lr", "0.01"]'
-
-    def parse(text: str):
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise argparse.ArgumentTypeError(f"{flag} takes JSON ({e.msg}), e.g. {example}") from None
-        if not isinstance(value, kind):
-            raise argparse.ArgumentTypeError(f"{flag} takes a JSON {kind.__name__}, got {text!r}")
-        return value
-    return parse
-
-
-def add_field(p: argparse.ArgumentParser, name: str, field) -> None:
-    """One option for one declared field: its type, choices, default and help."""
-    flag = "--" + name.replace("_", "-")
-    kind = field.annotation
-    default = "required" if field.is_required() else f"default: {json.dumps(field.default)}"
-    help_ = f"{field.description or ''} ({default})".strip()
-    extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
-    args = [a for a in typing.get_args(kind) if a is not type(None)]
-    if extra.get("cli") == REST:
-        return  # filled from the arguments after `--` (see parse)
-    if kind is bool:
-        p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, help=help_)
-    elif typing.get_origin(kind) is typing.Literal:
-        p.add_argument(flag, dest=name, choices=list(typing.get_args(kind)), help=help_)
-    elif origin_is(kind, dict) or origin_is(kind, list):
-        p.add_argument(flag, dest=name, type=_json_arg(flag, dict if origin_is(kind, dict) else list),
-                       metavar="JSON", help=help_)
-    else:
-        base = next((a for a in (kind, *args) if a in (int, float, str)), str)
-        p.add_argument(flag, dest=name, type=base, metavar=name.upper(), help=help_,
-                       required=field.is_required())
-
-
-def add_model(p: argparse.ArgumentParser, model: type[BaseModel]) -> None:
-    for name, field in model.model_fields.items():
-        add_field(p, name, field)
-    p.set_defaults(_model=model)
-
-
-def rest_field(model: type[BaseModel]) -> str | None:
-    return next((n for n, f in model.model_fields.items()
-                 if isinstance(f.json_schema_extra, dict) and f.json_schema_extra.get("cli") == REST), None)
-
 
 SCRIPT_EPILOG = """\
 Your own torchrun script instead of gpuflow's training loop (the train-script flow):
@@ -184,32 +133,6 @@ def parse(argv: list[str], p: argparse.ArgumentParser | None = None) -> tuple[st
             p.error(f"`gpuflow {command}` takes no arguments after --")
         ns[target] = rest
     return command, model, ns
-
-
-class UserErrorOnce(logging.Filter):
-    """A user error raised inside a flow (or a training failure, whose output was streamed
-    already) reaches the console once, as gpuflow's one line: Prefect's tracebacks and
-    failure states repeating it are dropped there (not in the Prefect UI, whose log handler
-    this filter is not on)."""
-
-    def __init__(self):
-        super().__init__()
-        self.messages: list[str] = []
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        error = record.exc_info[1] if record.exc_info else None
-        if isinstance(error, (UserError, TrainingFailed)):
-            self.messages.append(str(error).splitlines()[0])
-            return False
-        return not any(m in record.getMessage() for m in self.messages)
-
-
-def report_user_errors_once() -> None:
-    import prefect  # noqa: F401  (its logging setup puts the console handler on the root logger)
-
-    once = UserErrorOnce()
-    for handler in logging.getLogger().handlers:
-        handler.addFilter(once)
 
 
 def print_report(report) -> None:

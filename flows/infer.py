@@ -16,12 +16,12 @@ from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
 from gpuflow.tasks.tracking import store
-from gpuflow.tasks.devices.assign import one_device_plan
-from gpuflow.tasks.devices.cards import card_locks
-from gpuflow.tasks.devices.probe import probe_environment, read_environment
+from gpuflow.tasks.devices.probe import read_environment
 from gpuflow.tasks.tracking.registry import checkpoint_of, evaluate_checkpoint, resolve_version, run_on_device
 
-from .params import EvaluateParams, InferParams, flat_parameters
+from .calls import flat_parameters
+from .params import EvaluateParams, InferParams
+from .session import on_one_device
 
 
 @flow(name="evaluate-model", flow_run_name="evaluate-{registered_model}-{version}-gpus={gpus}",
@@ -29,10 +29,9 @@ from .params import EvaluateParams, InferParams, flat_parameters
 @flat_parameters(EvaluateParams)
 def evaluate_model(params: EvaluateParams) -> dict:
     """Load a model version (or a checkpoint) onto one assigned device and report its loss and metrics."""
-    plan = one_device_plan(probe_environment(), params.gpus)
-    with card_locks(plan) as locks, tempfile.TemporaryDirectory() as d:  # the card is ours, as training's is
+    with on_one_device(params.gpus) as (plan, fds), tempfile.TemporaryDirectory() as d:  # as training's
         ck, version = model_checkpoint(params, Path(d))
-        result = evaluate_checkpoint(ck, plan, params.split, params.dataset, params.data_root, locks.fds)
+        result = evaluate_checkpoint(ck, plan, params.split, params.dataset, params.data_root, fds)
     result |= {"registered_model": params.registered_model, "version": version, "physical_gpu": plan.primary}
     what = f"`{params.checkpoint}`" if params.checkpoint else f"{params.registered_model} v{version}"
     create_markdown_artifact(key="evaluation", markdown=(
@@ -64,11 +63,10 @@ def predict(params: InferParams) -> dict | None:
     """Predictions for `params.inputs` on one device; written to `params.output`, else returned."""
     import logging
 
-    plan = one_device_plan(read_environment(), params.gpus)
-    with card_locks(plan) as locks, tempfile.TemporaryDirectory() as d:
+    with on_one_device(params.gpus, read_environment, slot=False) as (plan, fds), tempfile.TemporaryDirectory() as d:
         ck, version = model_checkpoint(params, Path(d))
         out = run_on_device(ck, plan, logging.getLogger("gpuflow.infer"), "--inputs",
-                            str(Path(params.inputs).resolve()), hold_fds=locks.fds)
+                            str(Path(params.inputs).resolve()), hold_fds=fds)
     out |= {"registered_model": params.registered_model, "version": version, "physical_gpu": plan.primary}
     if params.output:
         Path(params.output).write_text(json.dumps(out, indent=2))

@@ -4,14 +4,13 @@
     gpuflow run --nodes 2 --gpus 4 ...         # anywhere: one run on two of those machines
 
 Each machine serves one queue of the pool (named after it, concurrency 1) with a Prefect
-process worker. The parent flow (train-pipeline with nodes > 1) opens the MLflow run, picks
-machines whose queue a worker polls, and starts one `train-node` flow run on each queue.
-A node is one more launcher of the training session: it probes and assigns its own cards and
-holds their locks as a single-machine run does, prepares its data, and starts torchrun with
-c10d's rendezvous. Node 0 hosts the rendezvous store: it picks a free port on its address and
-publishes the endpoint as a Prefect Variable, which the other nodes read; nobody types it.
-The node whose workers hold global rank 0 (torchrun decides) relays the metrics to the run,
-logs the results and registers the model, and publishes its result for the parent.
+process worker. The parent flow (train-pipeline or train-script with nodes > 1) opens the MLflow
+run, picks machines whose queue a worker polls, and starts one node flow run on each queue. A
+node is a placement of the one job function (flows/job.py): it probes and assigns its own cards
+and holds their locks as a single-machine run does, joins the rendezvous (flows/rendezvous.py)
+and the parent's run. The node whose processes hold global rank 0 (torchrun decides) relays the
+metrics, logs the results, registers the model, and logs its result into the run, where the
+parent reads it once every node has completed.
 
 A node that fails, or never starts (no worker polls its queue), fails the run with the node
 named; the parent cancels the others, and a node whose peers are gone stops within a second
@@ -22,42 +21,30 @@ from __future__ import annotations
 
 import json
 import os
-import socket
+import tempfile
 import time
-import urllib.parse
 from pathlib import Path
 
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
-from pydantic import BaseModel, Field
 
-from gpuflow.tasks.launch import Rendezvous, TrainingFailed, launch_training
-from gpuflow.tasks.tracking import results, tracked
-from gpuflow.tasks.tracking.store import absolute_uri
-from gpuflow.training.contract import NODE_ADDR_ENV, NODE_DIR_ENV, RunFolder
+from prefect.variables import Variable
+
+from gpuflow.tasks.launch import TrainingFailed
+from gpuflow.training.uris import absolute_uri
 from gpuflow.training.errors import UserError
 
-from .params import PipelineParams, flat_parameters, worker_config
-from .prepared import prepared
-from .session import current_name, plan_tags, run_tags, training_session
-
-POLL_S = 1.0
+from .calls import one_line
+from .job import PLACED_RESULT, Placement, parent_run, run_job
+from .launchers import Script, Worker
+from .calls import flat_parameters
+from .params import PipelineParams, ScriptParams
+from .rendezvous import POLL_S, NodeFailed, NodeJob, in_node_folder, node_name, variable
+from .session import current_name
 CANCEL_GRACE_S = 10.0  # a node's machine answers a cancellation within it, or is taken for gone
 DONE = {"COMPLETED"}
 ENDED = {"FAILED", "CRASHED", "CANCELLED", "CANCELLING"}
 WAITING = {"SCHEDULED", "PENDING", "LATE", "AWAITINGRETRY", "PAUSED"}
-
-
-class NodeJob(BaseModel):
-    """What the parent tells each node: the job, which node it is, and the run it logs into."""
-
-    # names that become folders, Variable names and store queries: their own alphabets, never a path
-    id: str = Field(pattern=r"^[A-Za-z0-9-]{1,64}$",
-                    description="the job's id (the parent flow run's): rendezvous id and Variable names")
-    index: int = Field(ge=0, le=4096, description="0 hosts the rendezvous store and publishes its endpoint")
-    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$",
-                      description="the machine's queue in the node pool; names the node in logs and artifacts")
-    run_id: str = Field(pattern=r"^[0-9a-f]{32}$", description="the parent's MLflow run, which every node attaches to")
 
 
 class NodeParams(PipelineParams):
@@ -66,45 +53,37 @@ class NodeParams(PipelineParams):
     job: NodeJob
 
 
-class NodeFailed(TrainingFailed):
-    """A node of a placed run failed or never started."""
-
-
-def variable(kind: str, job_id: str) -> str:
-    return f"gpuflow-{kind}-{job_id}"
-
-
 # --- the parent ----------------------------------------------------------------------------
 
 
-def place(params, stem: str, tags: dict, flow_name: str) -> dict:
+def place(launcher) -> dict:
     """The parent's part of a run with nodes > 1: machines picked, one MLflow run, the nodes
-    started and watched until every one has ended."""
-    from prefect.variables import Variable
-
-    log = get_run_logger()
+    started and watched until every one has ended; rank 0's node's result, read from the run."""
+    params, log = launcher.params, get_run_logger()
     machines = ready_queues(params.node_pool, params.nodes)
     job = flow_run.get_id() or os.urandom(8).hex()
-    name = current_name(params.run_name, stem)
-    tags = {**run_tags(), **tags, "nodes": params.nodes, "machines": ",".join(machines)}
+    name = current_name(params.run_name, launcher.stem)
+    tags = {**launcher.tags, "nodes": params.nodes, "machines": ",".join(machines)}
     try:
-        with tracked.tracked_run(params.tracking_uri, params.experiment, name, tags, None, params.runs_dir) as run:
+        with parent_run(params, name, tags) as run:
             log.info("placing %d nodes of run %s on %s (max_restarts and launch_retries apply on one machine: "
                      "a node lost fails the run)", params.nodes, name, ", ".join(machines))
             if params.tracking_uri.startswith("sqlite:"):
                 log.warning("every node logs into %s: each machine must reach that file (a shared filesystem); "
                             "the team stack's tracking server needs none (gpuflow stack)", params.tracking_uri)
-            children = {m: start_node(params, NodeJob(id=str(job), index=i, name=m, run_id=run.run_id), flow_name)
-                        for i, m in enumerate(machines)}
+            children = {m: start_node(params, NodeJob(id=str(job), index=i, name=m, run_id=run.run_id),
+                                      launcher.node_flow) for i, m in enumerate(machines)}
             watch(children, params.rdzv_timeout_s)
-            result = Variable.get(variable("result", str(job)))
-            if result is None:
-                raise TrainingFailed("every node finished but none reported global rank 0's result")
-            result = json.loads(result)
+            try:
+                with tempfile.TemporaryDirectory() as d:
+                    result = json.loads(Path(run.client.download_artifacts(run.run_id, str(PLACED_RESULT), d))
+                                        .read_text())
+            except Exception as e:  # noqa: BLE001 - any store's "not there"
+                raise TrainingFailed("every node finished but none logged global rank 0's result "
+                                     f"({PLACED_RESULT}: {one_line(e)})") from None
     finally:
-        for kind in ("rdzv", "result"):
-            Variable.unset(variable(kind, str(job)))
-    return {"run_id": run.run_id, "status": "FINISHED", **result}
+        Variable.unset(variable("rdzv", str(job)))
+    return {**result, "run_id": run.run_id, "status": "FINISHED"}
 
 
 def ready_queues(pool: str, count: int) -> list[str]:
@@ -233,83 +212,7 @@ def cancel(client, runs: dict) -> list[str]:
     return left
 
 
-# --- a node --------------------------------------------------------------------------------
-
-
-def node_address() -> str:
-    """This machine's address for the other nodes: GPUFLOW_NODE_ADDR, else the one it reaches the
-    Prefect API from (the network the nodes share with the orchestration)."""
-    from prefect.settings import PREFECT_API_URL
-
-    if os.environ.get(NODE_ADDR_ENV):
-        return os.environ[NODE_ADDR_ENV]
-    host = urllib.parse.urlparse(PREFECT_API_URL.value() or "http://127.0.0.1").hostname or "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((host, 9))  # no packet is sent: this only picks the route's source address
-        return s.getsockname()[0]
-
-
-def rendezvous(job: NodeJob, nodes: int, timeout_s: float) -> Rendezvous:
-    """Node 0 picks a free port on its address and publishes the endpoint; the others read it."""
-    from prefect.variables import Variable
-
-    address, key = node_address(), variable("rdzv", job.id)
-    if job.index == 0:
-        with socket.socket() as s:
-            s.bind((address, 0))
-            endpoint = f"{address}:{s.getsockname()[1]}"
-        Variable.set(key, endpoint, overwrite=True)
-    else:
-        deadline = time.monotonic() + timeout_s
-        while (endpoint := Variable.get(key)) is None:
-            if time.monotonic() > deadline:
-                raise NodeFailed(f"node 0 published no rendezvous endpoint within {timeout_s:g} s")
-            time.sleep(POLL_S)
-    return Rendezvous(endpoint=endpoint, id=job.id, nnodes=nodes, host=job.index == 0, local_addr=address,
-                      interface=interface_of(address))
-
-
-def interface_of(address: str) -> str | None:
-    """The network interface that holds `address` on this machine."""
-    import psutil
-
-    return next((name for name, addrs in psutil.net_if_addrs().items() if any(a.address == address for a in addrs)),
-                None)
-
-
-def attach(params, job: NodeJob, s) -> tracked.TrackedRun:
-    """The parent's MLflow run, for this node to log into, with this node's environment and plan."""
-    run = tracked.attached_run(params.tracking_uri, job.run_id, Path(params.runs_dir) / f"{job.run_id}-{job.name}")
-    run.log_json(s.report.model_dump(mode="json"), "environment_report.json", f"environment/{job.name}")
-    run.log_json(s.plan.model_dump(mode="json"), "device_plan.json", f"environment/{job.name}")
-    if job.index == 0:  # node 0's devices stand for the run's (every node's are in its plan artifact)
-        for k, v in plan_tags(s.plan, params.world_size(s.plan)).items():
-            run.client.set_tag(run.run_id, k, str(v))
-    return run
-
-
-def publish(job: NodeJob, summary: dict) -> None:
-    """Global rank 0's outcome, for the parent to return (a child's return value cannot reach it)."""
-    from prefect.variables import Variable
-
-    Variable.set(variable("result", job.id), json.dumps(summary, default=str), overwrite=True)
-
-
-def node_name() -> str:
-    p = flow_run.get_parameters()
-    return f"{p.get('job', {}).get('name', 'node')}-{str(p.get('job', {}).get('id', ''))[:8]}"
-
-
-def in_node_folder(fn):
-    """Run the node's flow in the folder `gpuflow node` serves from (the worker would use a temporary
-    one), before its parameters resolve their paths there."""
-    def run(**values):
-        os.chdir(os.environ.get(NODE_DIR_ENV, "."))
-        return fn(**values)
-
-    run.__signature__, run.__doc__, run.__name__ = fn.__signature__, fn.__doc__, fn.__name__
-    run.__qualname__, run.__module__ = fn.__qualname__, fn.__module__
-    return run
+# --- the nodes ----------------------------------------------------------------------------
 
 
 @flow(name="train-node", flow_run_name=node_name, validate_parameters=False)
@@ -317,22 +220,20 @@ def in_node_folder(fn):
 @flat_parameters(NodeParams)
 def train_node(params: NodeParams) -> dict:
     """One machine's part of a placed run (started by the parent flow, never by hand)."""
-    job = params.job
-    with training_session(params, params.batch_size, params.precision) as s:
-        data = prepared(params, s)
-        rdzv = rendezvous(job, params.nodes, params.rdzv_timeout_s)
-        run = attach(params, job, s)
-        folder = RunFolder(run.workdir)
-        config = worker_config(params, s.plan, data, folder)
-        if job.index == 0:
-            run.log_params(params.run_params(config, s.plan))
-        with s.timer("launch"), run.relaying_metrics():
-            result = launch_training.with_options(retries=0)(config.to_json(folder.config), s.plan, params, params,
-                                                             folder.root, run.metrics_file, s.cards, rdzv)
-        if not result.get("final_metrics"):
-            return {"node": job.name, "rank0": False}
-        version = results.log_results(run, result, params.registered_model, str(Path.cwd()),
-                                      f"{params.model} trained on {params.dataset} over {params.nodes} nodes "
-                                      f"(run {job.run_id})")
-        publish(job, {**result, "model_version": version, "timings": s.timer.seconds})
-    return {"node": job.name, "rank0": True, "model_version": version}
+    return run_job(Worker(params), Placement(node=params.job))
+
+
+class ScriptNodeParams(ScriptParams):
+    """A node's part of a placed script run: the run's parameters, and the job."""
+
+    job: NodeJob
+
+
+@flow(name="script-node", flow_run_name=node_name, validate_parameters=False)
+@in_node_folder
+@flat_parameters(ScriptNodeParams)
+def script_node(params: ScriptNodeParams) -> dict:
+    """One machine's part of a placed script run (started by the parent flow, never by hand): the
+    node whose processes hold global rank 0 logs the script's files and registers its model; the
+    others log their logs under nodes/<node>/."""
+    return run_job(Script(params), Placement(node=params.job))

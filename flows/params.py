@@ -1,8 +1,9 @@
 """Every parameter of gpuflow's flows, declared once: type, default, bounds and help.
 
 A flow's parameters are composed of parts, each declared beside the code that reads it:
-training (training/config.py Training), devices (tasks/devices/assign.py Devices), launch and nodes
-(tasks/launch.py Launch, Nodes) and tracking (here); a flow adds only its own fields. The
+training (training/config.py Training), devices (tasks/devices/assign.py Devices), launch, nodes
+and a script (tasks/launch.py Launch, Nodes, ScriptFile, ScriptArgs; tasks/scriptout.py Collect)
+and tracking (here); a flow adds only its own fields. The
 flows' signatures (so the Prefect UI form and the deployments), the `gpuflow` CLI options and
 the validation all derive from these models; `worker_config` builds the worker's config from
 them. Parameters are flat on purpose: `-p epochs=3` and `--epochs 3` name fields directly.
@@ -10,25 +11,22 @@ them. Parameters are flat on purpose: `-p epochs=3` and `--epochs 3` name fields
 
 from __future__ import annotations
 
-import inspect
 import os
 import re
-import typing
 from pathlib import Path
-from typing import Annotated, Any, Callable, Literal
+from typing import Annotated, Literal
 
-import annotated_types
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from gpuflow.tasks.devices.assign import DevicePlan, Devices, check_cores, explicit_ids, one_device
 from gpuflow.tasks.data import DatasetInfo
-from gpuflow.tasks.launch import Launch, Nodes, Placement
+from gpuflow.tasks.launch import Launch, Nodes, Placement, ScriptArgs, ScriptFile
+from gpuflow.tasks.scriptout import Collect
 from gpuflow.training.config import TrainConfig, Training
 from gpuflow.training.contract import RunFolder
 from gpuflow.training.errors import UserError
 from gpuflow.training.policy import check_not_tracking_store
 
-from .calls import entered
 from .space import SweepError, check_metric, check_script_space, check_space, read_space, script_arguments
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9 ._-]{0,99}")
@@ -157,42 +155,6 @@ def worker_config(params: PipelineParams, plan: DevicePlan, data: DatasetInfo | 
 
 # Where a run is recorded, not how it trains: left out of the run's params.
 RECORD_KEEPING = (*Tracking.model_fields, "node_rank", "rdzv_endpoint", "node_pool", "job")
-
-
-def check_script(v: str) -> str:
-    path = Path(v).expanduser().resolve()
-    if path.is_dir():
-        raise ValueError(f"{path} is a directory; give the path of your training script in it, e.g. "
-                         f"{Path(v) / 'train.py'}")
-    if not path.is_file():
-        raise ValueError(f"no such file ({path}); give the path of your training script, e.g. train_ddp.py")
-    if path.suffix != ".py":
-        raise ValueError(f"{path.name} is not a Python file; torchrun runs a .py script")
-    return str(path)
-
-
-def check_collect(patterns: list[str]) -> list[str]:
-    """Glob patterns stay inside the working folder: relative, no '..' (a '**/..' climbs out,
-    since '**' also matches no folder at all). What each pattern matches is checked again, file
-    by file, by its real path when the outputs are logged (tasks/scriptout.py)."""
-    for pattern in patterns:
-        path = Path(pattern)
-        if not pattern.strip() or path.is_absolute() or pattern.startswith("~") or ".." in path.parts:
-            raise ValueError(f"collect pattern {pattern[:200]!r} must be a glob relative to the working folder "
-                             "that stays inside it (no leading '/' or '~', no '..'), e.g. 'snapshot.pt' or "
-                             "'checkpoints/*.pt'")
-    return patterns
-
-
-ScriptFile = Annotated[str, AfterValidator(check_script)]
-ScriptArgs = Annotated[list[str], Field(
-    description="the script's own arguments (on the command line: everything after --); in a sweep, {name} "
-    "in them is replaced by the trial's value of name, and a name without a placeholder is appended as "
-    "--name=value", json_schema_extra={"cli": "rest"})]
-Collect = Annotated[list[str], AfterValidator(check_collect), Field(description=(
-    "glob patterns, relative to the working folder and staying inside it, of files the script writes "
-    "outside GPUFLOW_OUTPUT_DIR to log as artifacts (e.g. [\"snapshot.pt\"]); the newest state dict "
-    "among them is the run's checkpoint"))]
 
 
 class ScriptParams(Tracking, Placement, Launch, Devices):
@@ -330,41 +292,3 @@ class InferParams(BaseModel):
     gpus: OneDevice = "auto"
     output: str | None = Field(None, description="write the predictions JSON here (default: print it)")
     tracking_uri: TrackingUri = None
-
-
-def _schema_type(field) -> Any:
-    """The field's type with its bounds, for the Prefect form (validation stays with the model)."""
-    bounds = [m for m in field.metadata if isinstance(m, annotated_types.BaseMetadata)]
-    return Annotated[(field.annotation, *bounds)] if bounds else field.annotation
-
-
-def flat_parameters(model: type[BaseModel]) -> Callable[[Callable[[Any], Any]], Callable[..., Any]]:
-    """Give `fn(params: model)` the flat keyword signature of `model`'s user fields.
-
-    Prefect builds a flow's parameters, its UI form and its deployments' defaults from the
-    function's signature and docstring; this sets both from the one declaration, and the
-    call validates the values once, by building `model` (flows/calls.py: one line per bad value).
-    """
-    fields = model.model_fields
-
-    def wrap(fn: Callable[[Any], Any]) -> Callable[..., Any]:
-        def flat(**values):
-            return fn(entered(model, values))
-
-        flat.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
-            [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY,
-                               default=inspect.Parameter.empty if f.is_required() else f.default,
-                               annotation=_schema_type(f)) for name, f in fields.items()],
-            return_annotation=inspect.signature(fn).return_annotation)
-        args = "\n".join(f"    {name}: {(f.description or name).strip()}" for name, f in fields.items())
-        flat.__doc__ = f"{inspect.getdoc(fn) or ''}\n\nArgs:\n{args}\n"
-        flat.__name__, flat.__qualname__, flat.__module__ = fn.__name__, fn.__qualname__, fn.__module__
-        return flat
-
-    return wrap
-
-
-def origin_is(annotation, kind: type) -> bool:
-    """Whether a (possibly optional) annotation is `kind` or a parametrised `kind[...]`."""
-    args = [a for a in typing.get_args(annotation) if a is not type(None)]
-    return any(a is kind or typing.get_origin(a) is kind for a in (annotation, *args))

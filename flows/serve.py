@@ -6,7 +6,9 @@
 
 Deployments: train-pipeline/ddp, train-pipeline/dp, retrain/nightly (cron from
 GPUFLOW_RETRAIN_CRON, default 02:00 every day, in GPUFLOW_TIMEZONE, default UTC),
-evaluate-model/evaluate and train-script/default. Addresses and the schedule are settings (gpuflow/flows/settings.py). Runs on this host share one global concurrency limit, so a
+evaluate-model/evaluate, train-script/default and sweep/default; `gpuflow node` serves
+train-node and script-node on a machine's queue. Addresses and the schedule are settings
+(gpuflow/flows/settings.py). Runs on this host share one global concurrency limit, so a
 scheduled retrain and a manual run never train at once: the second waits for the first.
 """
 
@@ -28,9 +30,9 @@ from gpuflow.training.errors import UserError
 
 from .allow import hand_on, operator_policy
 from .infer import evaluate_model
-from .nodes import train_node
+from .nodes import script_node, train_node
 from .retrain import retrain
-from .script import script_node, train_script
+from .script import train_script
 from .settings import NodeService, Settings
 from .sweep import sweep
 from .train import train_pipeline

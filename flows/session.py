@@ -1,13 +1,6 @@
-"""One training session, which every flow that trains enters; a launcher is the only part that differs.
-
-    with training_session(params, batch_size, precision) as s:    # allowlist, device slot,
-        ...                                                          #   probe, assign, card locks
-        with s.run(name_stem, tags, world_size) as run:            # the MLflow run: name, tags,
-            run.log_params(...)                                      #   environment and plan
-            launch(...)                                              #   artifacts; ended always
-
-What a launcher writes is its own: the worker's config and launch (train-pipeline), a user's
-script and its outputs (train-script), next a sweep trial or a node of a multi-node job.
+"""The training session that flows/job.py enters for every job: the allowlist and references
+checked, the host's device slot, the devices probed and assigned, their cards locked; and the
+run's names and tags. `on_one_device` is the same for an evaluation or a prediction.
 """
 
 from __future__ import annotations
@@ -18,12 +11,12 @@ import uuid
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from prefect.runtime import deployment, flow_run
 
-from gpuflow.tasks.tracking import store, tracked
-from gpuflow.tasks.devices.assign import DevicePlan, assign_devices
+from gpuflow.tasks.tracking import store
+from gpuflow.tasks.devices.assign import DevicePlan, assign_devices, one_device_plan
 from gpuflow.tasks.devices.cards import card_locks
 from gpuflow.tasks.devices.slot import device_slot
 from gpuflow.tasks.devices.probe import EnvironmentReport, probe_environment
@@ -57,25 +50,7 @@ class Session:
     plan: DevicePlan
     cards: tuple[int, ...]
     timer: StepTimer = field(default_factory=StepTimer)
-    name: str = ""  # the run's, once run() has started it
-
-    @contextmanager
-    def run(self, name_stem: str, tags: dict, world_size: int, dataset: dict | None = None,
-            name: str | None = None) -> Iterator[tracked.TrackedRun]:
-        """The session's MLflow run, named as its flow run (or `name`: a sweep's trial), with the
-        plan's tags and the environment and plan artifacts; ended FINISHED, FAILED or KILLED
-        whatever happens."""
-        p = self.params
-        self.name = name = name or current_name(p.run_name, name_stem)
-        with tracked.tracked_run(p.tracking_uri, p.experiment, name,
-                                  {**run_tags(), **plan_tags(self.plan, world_size), **tags}, dataset,
-                                  p.runs_dir) as run:
-            run.log_json(self.report.model_dump(mode="json"), "environment_report.json", "environment")
-            run.log_json(self.plan.model_dump(mode="json"), "device_plan.json", "environment")
-            try:
-                yield run
-            finally:  # a user's script may rename it with its own start_run
-                run.client.set_tag(run.run_id, "mlflow.runName", name)
+    name: str = ""  # the run's, once flows/job.py has opened or joined it
 
 
 @contextmanager
@@ -93,6 +68,18 @@ def training_session(params, batch_size: int | None = None, precision: str | Non
             plan = assign_devices(report, params, batch_size, precision)
         with card_locks(plan) as locks:
             yield Session(params, report, plan, locks.fds, timer)
+
+
+@contextmanager
+def on_one_device(gpus: str, probe: Callable[[], EnvironmentReport] = probe_environment,
+                  slot: bool = True) -> Iterator[tuple]:
+    """One device as training takes one, for an evaluation or a prediction: a slot of the host's
+    limit (not for `gpuflow infer`, which has no flow), the device `gpus` names, its card's lock;
+    yields (plan, the locks' descriptors)."""
+    with device_slot() if slot else nullcontext():
+        plan = one_device_plan(probe(), gpus)
+        with card_locks(plan) as locks:
+            yield plan, locks.fds
 
 
 # --- names and tags ----------------------------------------------------------------------

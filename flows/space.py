@@ -12,6 +12,7 @@ from pydantic import BaseModel, ValidationError, model_validator
 
 from gpuflow.training.config import Training
 from gpuflow.training.errors import UserError
+from gpuflow.training.config import KNOWN_METRICS
 
 from .calls import one_line
 
@@ -160,10 +161,6 @@ def check_space(space: dict[str, Distribution], base: dict, path: str, validate:
                 validate(with_values(base, {name: v}))
             except ValidationError as e:
                 raise SweepError(f"space={path}: {name}={v!r} is not a value a run accepts: {one_line(e)}") from None
-
-
-KNOWN_METRICS = {"classification": {"val_loss", "val_accuracy", "train_loss"},
-                 "model-loss": {"val_loss", "train_loss"}}
 
 
 def check_metric(objective: str, metric: str) -> None:

@@ -13,17 +13,20 @@ import socket
 import urllib.parse
 import warnings
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from prefect import get_run_logger
 
-from gpuflow.tasks.tracking import orphans, store, tracked
+from gpuflow.tasks.tracking import orphans, tracked
+from gpuflow.training.uris import shown, sqlite_file as sqlite_path
 
 from .calls import one_line
 from .params import SweepParams
 from .space import SweepError
 from .stack import STUDY_VARIABLE
-from .train import dataset_label
+from .launchers import stem
 
 HEARTBEAT_S = 10  # a RUNNING trial whose heartbeat is older than twice this is stale (Optuna)
 
@@ -35,10 +38,8 @@ def study_name(params: SweepParams) -> str:
 
 
 def default_study(p: dict) -> str:
-    """sweep-<script> for a script's sweep, else sweep-<model>-<dataset>."""
-    if p.get("script"):
-        return f"sweep-{Path(p['script']).stem}"
-    return f"sweep-{dataset_label(p.get('model', 'mlp'))}-{dataset_label(p.get('dataset', 'digits'))}"
+    """sweep-<the stem of its runs' names>: sweep-<script>, or sweep-<model>-<dataset>."""
+    return f"sweep-{stem(p)}"
 
 
 def storage_url(params: SweepParams) -> str:
@@ -46,9 +47,8 @@ def storage_url(params: SweepParams) -> str:
     stack's database (which `gpuflow stack` publishes in a Prefect Variable); else optuna.db here."""
     if params.storage:
         return params.storage
-    uri = store.absolute_uri(params.tracking_uri)
-    if uri.startswith("sqlite:///"):
-        return f"sqlite:///{Path(uri[len('sqlite:///'):]).parent / 'optuna.db'}"
+    if db := sqlite_path(params.tracking_uri):
+        return f"sqlite:///{db.parent / 'optuna.db'}"
     from prefect.variables import Variable
 
     published = Variable.get(STUDY_VARIABLE, default=None)
@@ -56,16 +56,9 @@ def storage_url(params: SweepParams) -> str:
         return f"sqlite:///{Path.cwd() / 'optuna.db'}"
     socket_dir = dict(urllib.parse.parse_qsl(urllib.parse.urlsplit(published).query)).get("host", "")
     if socket_dir.startswith("/") and not Path(socket_dir).is_dir():
-        raise SweepError(f"the team stack keeps studies at {shown_url(published)}, a Unix socket of the stack's "
+        raise SweepError(f"the team stack keeps studies at {shown(published)}, a Unix socket of the stack's "
                          "own machine; on this machine give storage=<a database URL this machine reaches>")
     return published
-
-
-def shown_url(url: str) -> str:
-    """A storage URL as logs and tags may show it: without its password."""
-    from sqlalchemy.engine import make_url
-
-    return make_url(url).render_as_string(hide_password=True)
 
 
 def open_study(params: SweepParams, direction: str, url: str):
@@ -86,21 +79,45 @@ def open_study(params: SweepParams, direction: str, url: str):
     study = optuna.create_study(storage=storage, study_name=study_name(params), direction=direction,
                                 sampler=sampler, pruner=pruner, load_if_exists=True)
     if study.direction.name.lower() != direction:
-        raise SweepError(f"study {study_name(params)!r} in {shown_url(url)} was created to {study.direction.name.lower()}, "
+        raise SweepError(f"study {study_name(params)!r} in {shown(url)} was created to {study.direction.name.lower()}, "
                          f"not {direction}; name a new study")
-    cut_off_orphans(study)
+    kept = Kept(study, storage, storage.get_study_id_from_name(study.study_name))
+    cut_off_orphans(kept)
     optuna.storages.fail_stale_trials(study)
-    return study
+    return kept
 
 
-def cut_off_orphans(study) -> None:
+@dataclass
+class Kept:
+    """A study and the storage it was opened on, so trials are reached by Optuna's public API."""
+
+    study: Any
+    storage: Any
+    study_id: int
+
+    def trial_id(self, number: int) -> int:
+        return self.storage.get_trial_id_from_study_id_trial_number(self.study_id, number)
+
+    def beat(self, number: int) -> None:
+        self.storage.record_heartbeat(self.trial_id(number))
+
+    def cut_off(self, number: int, why: str) -> None:
+        """Marked cut off (it does not count against the budget) and, still RUNNING, failed."""
+        from optuna.trial import TrialState
+
+        tid = self.trial_id(number)
+        self.storage.set_trial_user_attr(tid, "cut_off", why)
+        if self.storage.get_trial(tid).state == TrialState.RUNNING:
+            self.storage.set_trial_state_values(tid, TrialState.FAIL)
+
+
+def cut_off_orphans(kept: Kept) -> None:
     from optuna.trial import TrialState
 
-    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+    for t in kept.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         owner = t.user_attrs.get("owner") or {}
         if owner.get(orphans.OWNER_HOST) == socket.gethostname() and not orphans.owner_alive(owner):
-            study._storage.set_trial_user_attr(t._trial_id, "cut_off", "its sweep process is gone")
-            study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+            kept.cut_off(t.number, "its sweep process is gone")
 
 
 def counted(study) -> int:

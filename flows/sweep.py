@@ -39,13 +39,18 @@ from gpuflow.tasks.devices.probe import probe_environment
 from gpuflow.tasks.tracking import orphans, results, store, tracked
 from gpuflow.training.contract import RunFolder
 
+from gpuflow.training.judged import mode_of, monitored
+from gpuflow.training.uris import shown
+
 from .allow import current_policy
 from .calls import one_line
-from .params import SweepParams, flat_parameters
-from .retrain import compare_with_champion
-from .session import run_tags
+from .champion import compare_with_champion, offer_unevaluated
+from .job import parent_run
+from .launchers import Script
+from .calls import flat_parameters
+from .params import SweepParams
 from .space import Distribution, SweepError, read_space
-from .study import (HEARTBEAT_S, best_so_far, counted, default_study, open_study, shown_url, storage_url,
+from .study import (HEARTBEAT_S, Kept, best_so_far, counted, default_study, open_study, storage_url,
                     study_name, summarize)
 from .trial import Slot, Slots, Trial, run_trial
 
@@ -54,22 +59,12 @@ CONSECUTIVE_FAILURES = 3  # trials failing in a row stop the sweep: the next wou
 
 def objective_target(params: SweepParams) -> tuple[str, str]:
     """(the metric the trials report and the sweep optimizes, minimize or maximize)."""
-    if params.script:  # the script's own metric (required): its direction by its name
-        monitor, mode = None, None
-    else:
-        monitor, mode = {"classification": ("accuracy", "max"), "model-loss": ("loss", "min")}.get(
-            params.objective, (None, None))
-        if monitor is None:  # the user's own objective: its monitor and mode (user code, as in preflight)
-            from gpuflow.training.objective import load_objective
-
-            obj = load_objective(params.objective, str(Path.cwd()))
-            monitor, mode = obj.monitor, obj.mode
+    # a script's metric is its own (required): its direction by its name, higher unless a loss
+    monitor, mode = ("", "max") if params.script else monitored(params.objective, str(Path.cwd()))
     metric = params.optimize if params.optimize != "auto" else f"val_{monitor}"
     if params.direction != "auto":
         return metric, params.direction
-    if metric != f"val_{monitor}":  # another metric than the objective's monitor: by its name
-        mode = "min" if "loss" in metric else "max"
-    return metric, "minimize" if mode == "min" else "maximize"
+    return metric, "minimize" if mode_of(metric, monitor, mode) == "min" else "maximize"
 
 
 def sweep_run_name() -> str:
@@ -90,19 +85,17 @@ def sweep(params: SweepParams) -> dict:
     url = storage_url(params)
     if policy := current_policy():  # the stack's published URL is a Variable any API user may set
         policy.check_storage(url, params.tracking_uri)
-    study = open_study(params, direction, url)
-    name = study_name(params)
+    kept = open_study(params, direction, url)
+    study, name = kept.study, study_name(params)
     done = counted(study)
     log.info("sweep %s: %d of %d trials done; %d at a time on %s; optimizing %s (%s); study in %s", name, done,
              params.trials, slots.parallel, "GPUs" if slots.gpu else "CPU slots", metric, direction,
-             shown_url(url))
+             shown(url))
     resume = study.user_attrs.get("mlflow_run_id")
     client = store.prepare_store(params.tracking_uri)
     if resume and not run_exists(client, resume):
         resume = None
-    with tracked.tracked_run(params.tracking_uri, params.experiment, name,
-                             {**run_tags(), "sweep.study": name, "sweep.storage": shown_url(url)}, None,
-                             params.runs_dir, resume=resume) as parent:
+    with parent_run(params, name, {"sweep.study": name, "sweep.storage": shown(url)}, resume) as parent:
         study.set_user_attr("mlflow_run_id", parent.run_id)
         parent.log_json({k: v.model_dump(exclude_none=True) for k, v in space.items()}, "space.json", "sweep")
         if not resume:
@@ -110,10 +103,10 @@ def sweep(params: SweepParams) -> dict:
                                "sweep.pruner": params.pruner, "sweep.optimize": metric,
                                "sweep.direction": direction, "sweep.space": sorted(space)})
         with device_slot():  # one served run on this host's devices (its trials do not queue on it again)
-            run_trials(study, space, params, slots, parent.run_id, metric, name)
+            finished = run_trials(kept, space, params, slots, parent.run_id, metric, name)
         summary = summarize(study, parent, metric)
         if summary.get("best_run_id"):
-            summary |= register_best(params, client, summary, name)
+            summary |= register_best(params, client, summary, name, finished.get(summary["best_run_id"]))
             for k in ("model_version", "promoted"):
                 parent.client.set_tag(parent.run_id, f"sweep.{k}", str(summary.get(k)))
     log.info("sweep %s: %s", name, summary)
@@ -128,15 +121,16 @@ def run_exists(client, run_id: str) -> bool:
         return False
 
 
-def run_trials(study, space: dict[str, Distribution], params: SweepParams, slots: Slots, parent_id: str,
-               metric: str, name: str) -> None:
+def run_trials(kept: Kept, space: dict[str, Distribution], params: SweepParams, slots: Slots, parent_id: str,
+               metric: str, name: str) -> dict[str, dict]:
     """Ask, run and tell until the budget is met: at most `slots.parallel` at a time, each on a
     slot of its own, with heartbeats for those running. Stopped from outside (Ctrl-C, SIGTERM,
     cancel), the trials' ranks are stopped and their trials marked failed (cut off)."""
     from optuna.trial import TrialState
 
-    log = get_run_logger()
+    log, study = get_run_logger(), kept.study
     running: dict[Future, Trial] = {}
+    outcomes: dict[str, dict] = {}  # run id -> rank 0's result, as each trial returned it
     failures, waiting_since, last_beat = 0, None, 0.0
     pool = ThreadPoolExecutor(max_workers=slots.parallel, thread_name_prefix="gpuflow-trial")
     try:
@@ -149,17 +143,19 @@ def run_trials(study, space: dict[str, Distribution], params: SweepParams, slots
                         log.warning("sweep %s: every slot is held by another gpuflow run; waiting", name)
                 else:
                     waiting_since = None
-                    t = start_trial(study, space, slot)
+                    t = start_trial(kept, space, slot)
                     log.info("trial %d on %s: %s", t.trial.number, slot.label, t.values)
                     running[pool.submit(copy_context().run, run_trial, t, params, parent_id, metric, name)] = t
                     continue
             if time.monotonic() - last_beat > HEARTBEAT_S / 2:
                 for t in running.values():
-                    study._storage.record_heartbeat(t.trial._trial_id)
+                    kept.beat(t.trial.number)
                 last_beat = time.monotonic()
             finished, _ = wait(list(running), timeout=1.0, return_when=FIRST_COMPLETED)
             for fut in finished:
                 t = running.pop(fut)
+                if t.result is not None:
+                    outcomes[t.run_id] = t.result
                 slots.give_back(t.slot)
                 failures = 0 if tell(study, t, fut, log) != TrialState.FAIL else failures + 1
                 if failures >= CONSECUTIVE_FAILURES:
@@ -172,19 +168,18 @@ def run_trials(study, space: dict[str, Distribution], params: SweepParams, slots
             t.stop.set()
         wait(list(running), timeout=120)
         for t in running.values():
-            study._storage.set_trial_user_attr(t.trial._trial_id, "cut_off", "the sweep was stopped")
-            if study._storage.get_trial(t.trial._trial_id).state == TrialState.RUNNING:
-                study._storage.set_trial_state_values(t.trial._trial_id, TrialState.FAIL)
+            kept.cut_off(t.trial.number, "the sweep was stopped")
             slots.give_back(t.slot)
         raise
     finally:
         pool.shutdown(wait=True)
+    return outcomes
 
 
-def start_trial(study, space: dict[str, Distribution], slot: Slot) -> Trial:
+def start_trial(kept: Kept, space: dict[str, Distribution], slot: Slot) -> Trial:
     """Ask Optuna for a trial (its first heartbeat at once: a crash now leaves no zombie)."""
-    trial = study.ask()
-    study._storage.record_heartbeat(trial._trial_id)
+    trial = kept.study.ask()
+    kept.beat(trial.number)
     trial.set_user_attr("owner", orphans.owner_tags())  # this process: a restart fails its trial if it is gone
     trial.set_user_attr("slot", slot.label)
     return Trial(trial, slot, {n: d.suggest(trial, n) for n, d in space.items()})
@@ -211,41 +206,19 @@ def tell(study, t: Trial, fut: Future, log):
     return TrialState.FAIL
 
 
-def register_best(params: SweepParams, client, summary: dict, name: str) -> dict:
-    """Register the best trial's model and put it through the champion/challenger comparison."""
+def register_best(params: SweepParams, client, summary: dict, name: str, result: dict | None) -> dict:
+    """Register the best trial's model and put it through the champion/challenger rule (flows/champion.py);
+    its `result` as the trial returned it (a best trial of an earlier, resumed sweep: from its run's folder)."""
     run_id = summary["best_run_id"]
-    folder = RunFolder(Path(params.runs_dir).resolve() / run_id)
-    result = json.loads(folder.result.read_text())
+    folder = RunFolder.of(params.runs_dir, run_id)
+    result = result or json.loads(folder.result.read_text())
     run = tracked.attached_run(params.tracking_uri, run_id, folder.root)
-    if params.script:
-        return register_best_script(params, client, run, result, summary, name)
+    how = f"best trial {summary['best_trial']} of sweep {name} ({summary['best_params']})"
+    if params.script:  # registered as train-script registers it; gpuflow cannot evaluate it
+        version = Script(params).register(run, result, params.registered_model, f"(run {run_id}): {how}")
+        return {"model_version": version,
+                "promoted": version is not None and offer_unevaluated(client, params.registered_model, version)}
     version = results.register_model(run, result, params.registered_model, str(Path.cwd()),
-                                     f"{params.model} on {params.dataset}: best trial {summary['best_trial']} of "
-                                     f"sweep {name} ({summary['best_params']})")
+                                     f"{params.model} on {params.dataset}: {how}")
     decision = compare_with_champion(params, client, version, run_id, "sweep")
     return {"model_version": version, "promoted": decision["promoted"]}
-
-
-def register_best_script(params: SweepParams, client, run: tracked.TrackedRun, outputs: dict, summary: dict,
-                         name: str) -> dict:
-    """A script's best model (when it declared one), registered as train-script registers it;
-    promoted only while there is no champion: gpuflow cannot evaluate a script's model on the
-    champion's data, so it never replaces one without that comparison (the outcome tag says so)."""
-    from gpuflow.tasks.tracking.registry import champion_version, promote
-    from gpuflow.tasks.tracking.results import OUTCOME_TAG
-
-    from .script import register
-
-    version = register(run, outputs, params, f"(run {run.run_id}): best trial {summary['best_trial']} of sweep "
-                       f"{name} ({summary['best_params']})")
-    if version is None:
-        return {"model_version": None, "promoted": False}
-    champion = champion_version(client, params.registered_model)
-    promoted = champion is None
-    if promoted:
-        promote(client, params.registered_model, version)
-    client.set_model_version_tag(params.registered_model, version, OUTCOME_TAG,
-                                 "promoted: no champion before" if promoted else
-                                 f"not compared: champion v{champion} kept (a script's model has no gpuflow "
-                                 "evaluation; compare them and move the alias yourself)")
-    return {"model_version": version, "promoted": promoted}

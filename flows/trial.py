@@ -1,17 +1,15 @@
 """One trial of a sweep: the devices it runs on (a slot of cards, or of CPU processes, that no
-other gpuflow run holds) and the trial itself, one more launcher of the training session (the
-same device plan, card locks, MLflow handling and failure lines as a single run), its per-epoch
+other gpuflow run holds) and the trial itself, one job of flows/job.py on that slot (the same
+device plan, card locks, MLflow handling and failure lines as a single run), its per-epoch
 metric reported to Optuna's pruner as it arrives.
 """
 
 from __future__ import annotations
 
 import fnmatch
-import json
 import os
 import socket
 import threading
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,14 +18,13 @@ from gpuflow.tasks.devices.assign import Devices, assign_devices_for, why_not
 from gpuflow.tasks.devices.cards import CardLocks
 from gpuflow.tasks.devices.probe import EnvironmentReport, probe_environment
 from gpuflow.tasks.child import Stopped
-from gpuflow.tasks.tracking import results, tracked
+from gpuflow.tasks.tracking import tracked
 from gpuflow.training.contract import RunFolder
 
+from .job import Placement, run_job
+from .launchers import Script, Worker
 from .params import PipelineParams, ScriptParams, SweepParams
-from .prepared import prepared
-from .session import training_session
 from .space import SweepError, with_values
-from .train import train
 
 def check_cards(params: SweepParams, report: EnvironmentReport) -> None:
     """The cards `gpus` asks for, checked as `gpuflow run` checks them (tasks/devices/assign.py), before
@@ -126,6 +123,7 @@ class Trial:
     pruned_at: int | None = None
     missing: list[str] | None = None
     run_id: str | None = None
+    result: dict | None = None  # rank 0's, once it finished: what registering it needs
 
 
 def trial_tags(t: Trial, parent_id: str, study_name: str) -> dict:
@@ -151,71 +149,51 @@ def reporter(t: Trial, params: SweepParams, metric: str):
     return report
 
 
-def run_trial(t: Trial, params: SweepParams, parent_id: str, metric: str, study_name: str) -> float:
-    """One trial as one run of the training session, nested under the sweep's run; its per-epoch
-    metric reported to the pruner as the relay logs it. Returns the metric's final value, or None
+def run_trial(t: Trial, params: SweepParams, parent_id: str, metric: str, study_name: str) -> float | None:
+    """One trial as one job (flows/job.py) on its slot, nested under the sweep's run; its per-epoch
+    metric reported to the pruner as it arrives (a script may log it itself: then read from the run).
+    A script's trial runs in a working folder of its own. Returns the metric's final value, or None
     when pruned (its run FINISHED, tagged sweep.pruned); a trial stopped with its sweep is KILLED."""
+    name = f"{study_name}-t{t.trial.number}"
+    slot = {"gpus": t.slot.gpus, "cpu_processes": t.slot.processes, "run_name": name}
     if params.script:
-        return run_script_trial(t, params, parent_id, metric, study_name)
-    number = t.trial.number
-    trial_params = PipelineParams.model_validate(with_values(params.pipeline(), t.values) | {
-        "gpus": t.slot.gpus, "cpu_processes": t.slot.processes,
-        "run_name": f"{study_name}-t{number}"})
-    report = reporter(t, params, metric)
-    tags = trial_tags(t, parent_id, study_name) | {"dataset": trial_params.dataset, "model": trial_params.model}
-    with training_session(trial_params, trial_params.batch_size, trial_params.precision, slot=False) as s:
-        data = prepared(trial_params, s)
-        with s.run("trial", tags, trial_params.world_size(s.plan), data.model_dump(mode="json"),
-                   name=trial_params.run_name) as run:
-            t.run_id = run.run_id
-            t.trial.set_user_attr("mlflow_run_id", run.run_id)
-            result = train(trial_params, s, data, RunFolder(run.workdir), run, report, t.stop)
-            if result.get("stopped"):
-                if t.missing is not None:
-                    raise SweepError(f"optimize={metric!r}: the trial's epochs report no such metric (they "
-                                     f"report {', '.join(t.missing)}); use one of those")
-                if t.pruned_at is None:
-                    raise Stopped()  # the sweep is being stopped
-                run.client.set_tag(run.run_id, "sweep.pruned", f"after epoch {t.pruned_at}")
-                return None
-            results.log_results(run, result, None, str(Path.cwd()), "")
-    value = result["final_metrics"].get(metric)
-    if value is None:
-        raise SweepError(f"optimize={metric!r}: the trial's final metrics have no such value")
-    return float(value)
+        launcher = Script(ScriptParams.model_validate(params.script_params(t.values) | slot))
+        cwd = lambda run: own_folder(Path.cwd(), RunFolder(run.workdir).work, launcher.params.collect)  # noqa: E731
+    else:
+        launcher = Worker(PipelineParams.model_validate(with_values(params.pipeline(), t.values) | slot))
+        cwd = None
 
-
-def run_script_trial(t: Trial, params: SweepParams, parent_id: str, metric: str, study_name: str) -> float:
-    """A script's trial: the script run as train-script runs it, with the trial's values in its
-    arguments; the metric it logs (helper.report or its own mlflow.log_metric) read from the run
-    as it arrives, for the pruner, which stops its ranks itself. Its outputs (checkpoint, declared
-    model) are kept in the run folder's result file, for registering the best."""
-    from .script import run_script
-
-    trial_params = ScriptParams.model_validate(params.script_params(t.values) | {
-        "gpus": t.slot.gpus, "cpu_processes": t.slot.processes, "run_name": f"{study_name}-t{t.trial.number}"})
-    tags = trial_tags(t, parent_id, study_name) | {"script": trial_params.script}
-    with training_session(trial_params, slot=False) as s, \
-            s.run(Path(trial_params.script).stem, tags, s.plan.nproc_per_node, name=trial_params.run_name) as run:
+    def opened(run: tracked.TrackedRun) -> None:
         t.run_id = run.run_id
         t.trial.set_user_attr("mlflow_run_id", run.run_id)
-        run.log_params(trial_params.run_params(s.plan))
-        work = own_folder(Path.cwd(), RunFolder(run.workdir).work, trial_params.collect)
-        try:
-            with watching(run, metric, reporter(t, params, metric)):
-                outputs = run_script(trial_params, s, run, stop=t.stop, cwd=work)
-        except Stopped:
-            if t.pruned_at is None:
-                raise
-            run.client.set_tag(run.run_id, "sweep.pruned", f"after epoch {t.pruned_at}")
-            return None
-        RunFolder(run.workdir).result.write_text(json.dumps(outputs))
-        logged = run.client.get_run(run.run_id).data.metrics
-    if metric not in logged:
-        raise SweepError(f"optimize={metric!r}: the script logged no such metric (it logged "
-                         f"{', '.join(sorted(logged)) or 'none'}); report it with helper.report or "
+
+    def stopped(run: tracked.TrackedRun) -> None:
+        if t.missing is not None:
+            raise SweepError(f"optimize={metric!r}: the trial's epochs report no such metric (they "
+                             f"report {', '.join(t.missing)}); use one of those")
+        if t.pruned_at is None:
+            raise Stopped()  # the sweep is being stopped
+        run.client.set_tag(run.run_id, "sweep.pruned", f"after epoch {t.pruned_at}")
+
+    done = run_job(launcher, Placement(
+        slot=False, name=name, register=False, tags=trial_tags(t, parent_id, study_name), stop=t.stop,
+        on_metrics=reporter(t, params, metric), metric=metric, cwd=cwd, on_run=opened, on_stopped=stopped))
+    if done.get("stopped"):
+        return None
+    t.result = done
+    final = done.get("final_metrics") or logged_metrics(done["run_id"], params)
+    if metric not in final:
+        raise SweepError(f"optimize={metric!r}: the trial logged no such metric (it logged "
+                         f"{', '.join(sorted(final)) or 'none'}); report it with helper.report or "
                          "mlflow.log_metric, or optimize one of those")
-    return float(logged[metric])
+    return float(final[metric])
+
+
+def logged_metrics(run_id: str, params: SweepParams) -> dict:
+    """A script's metrics as the run has them (it may log them itself)."""
+    from gpuflow.tasks.tracking.store import prepare_store
+
+    return prepare_store(params.tracking_uri).get_run(run_id).data.metrics
 
 
 CHECKPOINT_SUFFIXES = (".pt", ".pth", ".ckpt", ".safetensors")
@@ -234,28 +212,3 @@ def own_folder(project: Path, work: Path, collect: list[str]) -> Path:
             continue
         (work / entry.name).symlink_to(entry)
     return work
-
-
-@contextmanager
-def watching(run: tracked.TrackedRun, metric: str, report, interval: float = 1.0):
-    """Read `metric`'s values from the run while the block runs (whoever logs them: the relay or
-    the script itself) and give each new one to `report`; the k-th value is epoch k."""
-    done = threading.Event()
-
-    def poll() -> None:
-        seen = 0
-        while not done.wait(interval):
-            history = sorted(run.client.get_metric_history(run.run_id, metric), key=lambda m: (m.step, m.timestamp))
-            for k, m in enumerate(history[seen:], start=seen):
-                report(k, {metric: m.value})
-            seen = len(history)
-
-    watcher = threading.Thread(target=poll, name="gpuflow-trial-metric", daemon=True)
-    watcher.start()
-    try:
-        yield
-    finally:
-        done.set()
-        watcher.join()
-
-

@@ -9,6 +9,7 @@
   data       the data step: prepare or reuse the dataset once, before any rank starts
   preflight  the preflight step: what would fail the launch, checked before any MLflow run starts
   launch     the launch step: the worker or a user's script under torchrun
+  failure    a launch's failure in one line (the rank's own error, a signal, the last line)
   child      a child process of the flow under the reaper: its lines streamed, stopped in order
   scriptout  a user's script's outputs: files, logs and its checkpoint, logged with the run
 """

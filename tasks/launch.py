@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import shutil
-import signal
 import socket
 import sys
 import threading
@@ -22,13 +19,14 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from pydantic import AfterValidator, BaseModel, Field, model_validator
 
+from gpuflow.training.compat import FRESH_RDZV_STORE
 from gpuflow.training.config import DistTimeout
 from gpuflow.training.errors import UserError
-from gpuflow.training.contract import (CARD_LOCKS_ENV, CARD_OWNER_ENV, DIST_TIMEOUT_ENV, ERROR_DIR_ENV,
-                                       LAUNCH_ATTEMPT_ENV, METRICS_FILE_ENV, OUTPUT_DIR_ENV, PROCESS_GROUP_FILE_ENV,
-                                       RunFolder, describe, read_error)
+from gpuflow.training.contract import (CARD_LOCKS_ENV, CARD_OWNER_ENV, DIST_TIMEOUT_ENV, LAUNCH_ATTEMPT_ENV,
+                                       METRICS_FILE_ENV, OUTPUT_DIR_ENV, PROCESS_GROUP_FILE_ENV, RunFolder)
 
 from .child import Stopped, run_child
+from .failure import TrainingFailed, error_folder, failure
 from .devices.assign import DevicePlan
 from .devices.cards import rank_lock_files
 
@@ -80,6 +78,25 @@ class Nodes(Placement):
         return self
 
 
+def check_script(v: str) -> str:
+    path = Path(v).expanduser().resolve()
+    if path.is_dir():
+        raise ValueError(f"{path} is a directory; give the path of your training script in it, e.g. "
+                         f"{Path(v) / 'train.py'}")
+    if not path.is_file():
+        raise ValueError(f"no such file ({path}); give the path of your training script, e.g. train_ddp.py")
+    if path.suffix != ".py":
+        raise ValueError(f"{path.name} is not a Python file; torchrun runs a .py script")
+    return str(path)
+
+
+ScriptFile = Annotated[str, AfterValidator(check_script)]
+ScriptArgs = Annotated[list[str], Field(
+    description="the script's own arguments (on the command line: everything after --); in a sweep, {name} "
+    "in them is replaced by the trial's value of name, and a name without a placeholder is appended as "
+    "--name=value", json_schema_extra={"cli": "rest"})]
+
+
 class Rendezvous(BaseModel):
     """A placed job's c10d rendezvous (flows/nodes.py): every node's agent joins the store that
     node 0's agent hosts at `endpoint`; torchrun gives the global ranks."""
@@ -95,7 +112,7 @@ class Rendezvous(BaseModel):
         """Collectives on the nodes' shared network: gloo and NCCL otherwise take the address the host
         name resolves to (often 127.0.0.1), which the other machines cannot reach. A user's own
         GLOO_SOCKET_IFNAME or NCCL_SOCKET_IFNAME wins."""
-        env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # a fresh store per attempt (pytorch#167288)
+        env = dict(FRESH_RDZV_STORE)
         if self.interface:
             env |= {k: os.environ.get(k, self.interface) for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
         return env
@@ -103,15 +120,6 @@ class Rendezvous(BaseModel):
 
 class RendezvousError(UserError):
     """The rendezvous endpoint is malformed or already taken on this host."""
-
-
-class TrainingFailed(RuntimeError):
-    """The worker exited non-zero; the message names the cause, then its last lines of output.
-    `deterministic`: the ranks said running it again would fail the same way."""
-
-    def __init__(self, message: str, deterministic: bool = False):
-        super().__init__(message)
-        self.deterministic = deterministic
 
 
 def port_in_use(host: str, port: int) -> bool:
@@ -171,46 +179,6 @@ def check_rendezvous(opts: Nodes) -> None:
                          "rdzv_endpoint port (or stop what listens there)")
 
 
-def error_folder(workdir: Path) -> dict:
-    """Where the ranks of this launch leave their errors (training/contract.py), emptied first."""
-    folder = RunFolder(workdir).errors
-    shutil.rmtree(folder, ignore_errors=True)
-    return {ERROR_DIR_ENV: str(folder)}
-
-
-def failure(what: str, code: int, workdir: Path, tail: list[str], log_name: str) -> TrainingFailed:
-    """The failure as one first line naming its cause (the first rank's own exception and where
-    it was raised), then the last lines of output."""
-    record = read_error(RunFolder(workdir).errors)
-    last = next((line for line in reversed(tail) if line.strip()), "no output")
-    cause = (describe(record) if record else killed(code, tail)
-             or f"exited with code {code}; its last line: {last.strip()[:500]}")
-    return TrainingFailed(f"{what} failed: {cause}\nlast output (all of it in the run's logs/{log_name}):\n"
-                          + "\n".join(tail[-15:]), deterministic=bool(record and record["deterministic"]))
-
-
-TORCHRUN_SIGNAL = re.compile(r"Signal \d+ \((SIG\w+)\) received by PID")  # torchrun's failure summary
-TORCHRUN_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
-
-
-def killed(code: int, tail: list[str]) -> str | None:
-    """A process ended by a signal (SIGKILL from the out-of-memory killer, say) leaves no error
-    file: the signal, from the reaper's exit code (128 + signal) or torchrun's failure summary."""
-    who, name, rank = "the process", None, None
-    if code > 128 and code - 128 in {s.value for s in signal.Signals}:
-        name = signal.Signals(code - 128).name
-    for line in tail:  # torchrun lists the root cause (the first failure) last
-        if m := TORCHRUN_RANK.match(line):
-            rank = m.group(1)
-        elif m := TORCHRUN_SIGNAL.search(line):
-            who, name = (f"rank {rank}" if rank is not None else who), m.group(1)
-    if not name:
-        return None
-    oom = ("; SIGKILL is also what the kernel's out-of-memory killer sends: see `dmesg` and the run's memory"
-           if name == "SIGKILL" else "")
-    return f"{who} was killed by {name}{oom}"
-
-
 def child_environment(plan: DevicePlan, metrics_file: Path | None = None) -> dict:
     """The plan's device variables, where global rank 0 appends its per-epoch metrics, and the
     cards' lock files that every process of the child holds while it lives (training/cardlock.py)."""
@@ -232,7 +200,7 @@ def child_environment(plan: DevicePlan, metrics_file: Path | None = None) -> dic
 def launch(config: Path, plan: DevicePlan, opts: Launch, nodes: Nodes, workdir: Path, log,
            metrics_file: Path | None = None, hold_fds: tuple[int, ...] = (), attempt: int = 1,
            rdzv: Rendezvous | None = None, stop: threading.Event | None = None) -> dict:
-    """Run the worker for `config` with the plan's devices; its results JSON (empty metrics on a
+    """Run the worker for `config` with the plan's devices; its results JSON (`rank0` False on a
     node whose ranks do not include global rank 0; `stopped` when `stop` was set)."""
     check_rendezvous(nodes)
     folder = RunFolder(workdir)
@@ -251,8 +219,8 @@ def launch(config: Path, plan: DevicePlan, opts: Launch, nodes: Nodes, workdir: 
     if code != 0:
         raise failure("training", code, workdir, tail, "worker.log")
     if not result.is_file():
-        if nodes.node_rank != 0 or rdzv:
-            return {"node_rank": nodes.node_rank, "final_metrics": {}}
+        if nodes.node_rank != 0 or rdzv:  # global rank 0, which writes it, is on another machine
+            return {"rank0": False, "final_metrics": {}}
         raise TrainingFailed(f"training exited 0 but wrote no {result}")
     return json.loads(result.read_text())
 
@@ -273,16 +241,14 @@ def script_environment(plan: DevicePlan, run, tracking_uri: str) -> dict:
     """The plan's environment plus the flow's MLflow run (a TrackedRun: this flow's, or on a node
     of a placed run, the parent's), for the script's own mlflow calls (an absolute store URI: the
     script's folder is not the flow's business), and its output folder."""
-    from .tracking.store import absolute_uri
+    from gpuflow.training.uris import absolute_uri
 
     env = child_environment(plan, run.metrics_file)
     env.pop("MLFLOW_EXPERIMENT_NAME", None)  # the run's own experiment, set below, is the one
     env |= {"MLFLOW_RUN_ID": run.run_id, "MLFLOW_EXPERIMENT_ID": run.experiment_id,
             "MLFLOW_TRACKING_URI": absolute_uri(tracking_uri),
             "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false",  # the flow runs the one monitor of the run
-            # a fresh store (hosted by rank 0) per torchrun attempt: the agent's shared one keeps
-            # the previous attempt's addresses, and a restarted rank dialled a dead peer (pytorch#167288)
-            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+            **FRESH_RDZV_STORE,
             OUTPUT_DIR_ENV: str(RunFolder(run.workdir).outputs)}
     # the script's own log_metric calls queue and return: training never waits on the store's answer
     env.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "true")

@@ -8,7 +8,17 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ["GPUFLOW_LOCK_DIR"] = tempfile.mkdtemp(prefix="gpuflow-test-locks-")
 
 
+# `make test-fast`: the pure parts (parameters, space, assignment, contract, references, naming,
+# allowlist rules, URI handling), under a minute. A test of these modules that starts a Prefect API
+# is left to `make test`.
+FAST_MODULES = {"test_params", "test_space", "test_policy", "test_devices", "test_rules", "test_card_locks",
+                "test_cli_contract", "test_layout", "test_small_refusals", "test_tracking_store"}
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.module.__name__.rpartition(".")[2] in FAST_MODULES and "prefect_api" not in item.fixturenames:
+            item.add_marker(pytest.mark.fast)
     try:
         import torch
 

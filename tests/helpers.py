@@ -1,4 +1,4 @@
-"""Shared helpers: run the real worker as `python -m training` or under real `torchrun`."""
+"""Shared helpers: run the real worker as `python -m gpuflow.training` or under real `torchrun`."""
 
 from __future__ import annotations
 

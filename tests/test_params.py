@@ -12,7 +12,7 @@ import sys
 import pytest
 from pydantic import BaseModel, Field
 
-from gpuflow.flows import cli
+from gpuflow.flows import cli, options
 from gpuflow.flows.infer import evaluate_model
 from gpuflow.flows.params import EvaluateParams, PipelineParams, RetrainParams
 from gpuflow.flows.retrain import retrain
@@ -55,13 +55,13 @@ class UserScript(BaseModel):
     model_args: dict = Field({}, description="keyword arguments of the model, as JSON")
     tags: list[str] = Field([], description="a JSON list")
     epochs: int = Field(1, ge=1)
-    script_args: list[str] = Field([], description="arguments after --", json_schema_extra={"cli": cli.REST})
+    script_args: list[str] = Field([], description="arguments after --", json_schema_extra={"cli": options.REST})
 
 
 def _parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="t")
     sub = top.add_subparsers(dest="command", required=True)
-    cli.add_model(sub.add_parser("x", argument_default=argparse.SUPPRESS), UserScript)
+    options.add_model(sub.add_parser("x", argument_default=argparse.SUPPRESS), UserScript)
     return top
 
 

@@ -1,10 +1,9 @@
-"""Worker entry point: `python -m training --config CFG` or `torchrun ... -m training --config CFG`."""
+"""Worker entry point: `python -m gpuflow.training --config CFG` or `torchrun ... -m gpuflow.training --config CFG`."""
 
 from __future__ import annotations
 
 import argparse
 import gc
-import io
 import os
 import signal
 import sys
@@ -22,7 +21,7 @@ from .lifetime import die_with_parent, exit_on_sigterm
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m training",
+        prog="python -m gpuflow.training",
         description="Train one model from a JSON config (see training/config.py for the fields). "
         "Under torchrun, ranks come from the environment.",
     )
@@ -37,7 +36,7 @@ def run(config_path: str, result_path: str | None, freeze_imports: bool = False)
     from .metrics import MetricsFile
 
     cfg = TrainConfig.from_json(config_path)
-    metrics = MetricsFile(is_main=os.environ.get("RANK", "0") == "0")
+    metrics = MetricsFile(is_main=contract.ranks().is_main)
     try:
         return _train(cfg, metrics, config_path, result_path, freeze_imports)
     finally:
@@ -46,6 +45,7 @@ def run(config_path: str, result_path: str | None, freeze_imports: bool = False)
 
 def _train(cfg, metrics, config_path: str, result_path: str | None, freeze_imports: bool) -> dict:
     from . import data, distributed
+    from .example import model_example, npy_bytes
     from .reproducible import seed_everything, set_determinism
     from .trainer import Trainer
 
@@ -64,9 +64,9 @@ def _train(cfg, metrics, config_path: str, result_path: str | None, freeze_impor
             folder = contract.RunFolder(Path(result_path).parent if result_path else Path(config_path).parent)
             out = Path(result_path) if result_path else folder.result
             result["weights"] = str(trainer.save_weights(folder.weights))
-            example, result["output_spec"] = trainer.example()
+            example, result["output_spec"] = model_example(trainer.model, trainer.bundle.val, trainer.device)
             if example is not None:
-                data, suffix = _npy_bytes(example)
+                data, suffix = npy_bytes(example)
                 result["input_example"] = str(atomic_write(folder.input_example(suffix),
                                                            lambda tmp: tmp.write_bytes(data)))
             write_json_atomic(out, result)
@@ -83,21 +83,9 @@ def _train(cfg, metrics, config_path: str, result_path: str | None, freeze_impor
         distributed.teardown()
 
 
-def _npy_bytes(example) -> tuple[bytes, str]:
-    """An array as .npy, or named arrays as .npz; (the bytes, the suffix)."""
-    import numpy as np
-
-    buf = io.BytesIO()
-    if isinstance(example, dict):
-        np.savez(buf, **example)
-        return buf.getvalue(), ".npz"
-    np.save(buf, example)
-    return buf.getvalue(), ".npy"
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
-    rank = os.environ.get("RANK", "0")
+    rank = str(contract.ranks().rank)
     if "TORCHELASTIC_RUN_ID" in os.environ:  # under torchrun: never outlive the agent
         die_with_parent(signal.SIGKILL)
     exit_on_sigterm()

@@ -205,8 +205,13 @@ class CheckpointStore:
             return []
         return sorted(int(m.group(1)) for p in self.folder.iterdir() if (m := NAME.match(p.name)))
 
-    def retain(self, keep: set[int]) -> None:
-        """Delete every epoch's checkpoint but those of `keep`: a run's disk stays bounded."""
+    def retain(self, newest: int, history: list[dict], key: str, mode: str) -> None:
+        """Delete every epoch's checkpoint but the `newest` and the best by `key` in `history`
+        (`mode`: training/judged.py): a run's disk stays bounded, resume and the best stay."""
+        keep = set(self.epochs()[-newest:])
+        scored = [h for h in history if isinstance(h.get(key), float)]
+        if scored:
+            keep.add((max if mode == "max" else min)(scored, key=lambda h: h[key])["epoch"])
         for epoch in self.epochs():
             if epoch not in keep:
                 self.path_for(epoch).unlink(missing_ok=True)

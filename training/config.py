@@ -17,6 +17,9 @@ from .errors import UserError
 
 MODELS = ("mlp", "cnn", "resnet18")
 OBJECTIVES = ("classification", "model-loss")  # training/objective.py implements them
+# each built-in objective's (monitor, mode) and the metrics its epochs report (training/judged.py)
+BUILT_IN_OBJECTIVES = {"classification": ("accuracy", "max"), "model-loss": ("loss", "min")}
+KNOWN_METRICS = {"classification": {"val_loss", "val_accuracy", "train_loss"}, "model-loss": {"val_loss", "train_loss"}}
 BUILTIN_MODELS_MODULE = "gpuflow.training.models"  # where the built-ins live (torch-free name for the flow)
 BUILTIN_DATASETS = ("digits", "synthetic", "mnist", "fashion-mnist", "cifar10")
 Precision = Literal["fp32", "bf16", "fp16"]
@@ -183,3 +186,14 @@ class TrainConfig(Training):
             raise UserError(f"config file {str(path)!r} does not exist; pass the path of a "
                             "TrainConfig JSON file (fields: gpuflow/training/config.py)")
         return cls.model_validate(json.loads(path.read_text()))
+
+
+def batch_split(batch: int, devices: int, what: str, processes: int | None = None) -> str | None:
+    """Why a global batch does not fit `devices` (at least one sample each) or, under DDP, does not
+    split evenly over its `processes`; None when it does. The one rule: assignment, DDP setup, DP."""
+    if batch < devices:
+        return f"global batch_size {batch} is smaller than the {devices} {what}; use batch_size >= {devices} or fewer devices"
+    if processes and batch % processes:
+        return (f"global batch_size {batch} does not split evenly over {processes} processes; use a multiple of "
+                f"{processes}, e.g. {batch - batch % processes or processes}")
+    return None

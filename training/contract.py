@@ -21,6 +21,7 @@ import os
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
 # --- what the flow tells its children, by environment variable ----------------------------
@@ -47,6 +48,12 @@ class RunFolder:
 
     def __init__(self, root: str | os.PathLike):
         self.root = Path(root)
+
+    @classmethod
+    def of(cls, runs_dir: str | os.PathLike, run_id: str, node: str | None = None) -> "RunFolder":
+        """The one naming rule: `<runs_dir>/<run id>`; on a node of a placed run `<run id>-<node>`
+        (node 0 of a job started by hand owns the run; another has no run: `node<rank>-<random>`)."""
+        return cls(Path(runs_dir).resolve() / (f"{run_id}-{node}" if node else run_id))
 
     config = property(lambda self: self.root / "config.json")  # the worker's TrainConfig (flow)
     result = property(lambda self: self.root / "result.json")  # the worker's outcome (rank 0)
@@ -79,12 +86,34 @@ def whole_lines() -> None:
         stream.reconfigure(line_buffering=True, write_through=False)
 
 
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place in the job, as torchrun's environment says (the one reader of it):
+    global and local rank, the world size, the restart count; `under_torchrun` when it set them."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    restarts: int
+    under_torchrun: bool
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def ranks() -> Ranks:
+    env = os.environ
+    return Ranks(int(env.get("RANK", 0)), int(env.get("LOCAL_RANK", 0)), int(env.get("WORLD_SIZE", 1)),
+                 int(env.get("TORCHELASTIC_RESTART_COUNT", 0)), "RANK" in env and "WORLD_SIZE" in env)
+
+
 def _attempt() -> int:
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    return ranks().restarts
 
 
 def _rank() -> int:
-    return int(os.environ.get("RANK", 0))
+    return ranks().rank
 
 
 def where(exc: BaseException) -> tuple[str | None, int | None]:

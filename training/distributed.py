@@ -9,7 +9,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .config import FP16_NEEDS_CUDA, TrainConfig
+from .config import FP16_NEEDS_CUDA, TrainConfig, batch_split
+from .compat import attempt_store
+from .contract import ranks
 from .errors import UserError
 
 
@@ -59,24 +61,19 @@ def _pick_device(cfg: TrainConfig, local_rank: int) -> torch.device:
 
 def setup(cfg: TrainConfig) -> DistContext:
     """Read ranks from the environment, pick the device, init the process group for DDP."""
-    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    rank = int(os.environ.get("RANK", 0))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if cfg.strategy == "ddp" and not under_torchrun:
+    here = ranks()
+    world, rank, local_rank = here.world_size, here.rank, here.local_rank
+    if cfg.strategy == "ddp" and not here.under_torchrun:
         raise LaunchError(
-            "strategy 'ddp' needs torchrun: torchrun --nproc_per_node=N -m training --config CFG"
+            "strategy 'ddp' needs torchrun: torchrun --nproc_per_node=N -m gpuflow.training --config CFG"
         )
     if cfg.strategy != "ddp" and world > 1:
         raise LaunchError(
             f"strategy {cfg.strategy!r} runs as one process but WORLD_SIZE={world}; "
-            "use strategy 'ddp' under torchrun, or run with python -m training"
+            "use strategy 'ddp' under torchrun, or run with python -m gpuflow.training"
         )
-    if cfg.strategy == "ddp" and cfg.batch_size % world:
-        raise LaunchError(
-            f"global batch_size {cfg.batch_size} does not split evenly over {world} processes; "
-            f"use a multiple of {world}, e.g. {cfg.batch_size - cfg.batch_size % world or world}"
-        )
+    if cfg.strategy == "ddp" and (why := batch_split(cfg.batch_size, world, "processes", world)):
+        raise LaunchError(why)
     device = _pick_device(cfg, local_rank)
     if cfg.strategy == "ddp":
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -85,17 +82,12 @@ def setup(cfg: TrainConfig) -> DistContext:
 
 
 def init_group(backend: str, timeout: timedelta) -> None:
-    """init_process_group on the env:// store, under a key prefix unique to this attempt.
-
-    After a torchrun restart, the store can still hold the previous attempt's addresses;
-    without the prefix a rank may dial a dead peer ('Connection refused', pytorch#167288).
-    """
+    """init_process_group on the env:// store, under a key prefix unique to this attempt (training/compat.py)."""
     from torch.distributed.rendezvous import rendezvous
 
     store, rank, world = next(rendezvous("env://", timeout=timeout))
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    prefixed = dist.PrefixStore(f"gpuflow/attempt-{attempt}", store)
-    dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world, timeout=timeout)
+    dist.init_process_group(backend, store=attempt_store(store, ranks().restarts), rank=rank, world_size=world,
+                            timeout=timeout)
 
 
 def all_reduce_sum(values: list[float], ctx: DistContext) -> list[float]:

@@ -251,7 +251,7 @@ def _concat(a, b):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m training.evaluate", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m gpuflow.training.evaluate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True, help="a gpuflow checkpoint file")
     p.add_argument("--result", required=True, help="where to write the JSON report")

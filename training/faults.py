@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+from .contract import ranks
+
 
 def fault_hook(spec: str | None):
     """Test-only fault injection: GPUFLOW_FAULT='rank=1,epoch=2,restart=0[,step=N][,once=PATH]'.
@@ -19,7 +21,7 @@ def fault_hook(spec: str | None):
     want = {k: int(v) for k, v in fields.items()}
 
     def maybe_die(rank: int, epoch: int, step: int) -> None:
-        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+        restart = ranks().restarts
         if (rank, epoch, restart, step) != (want.get("rank", 0), want.get("epoch", 1),
                                             want.get("restart", 0), want.get("step", 1)):
             return

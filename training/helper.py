@@ -26,7 +26,7 @@ from torch import nn
 from .checkpoint import (CheckpointStore, clean_state_dict, load_file, model_state, rng_state, set_rng_state, to_cpu,
                          unwrap)
 from .files import write_json_atomic
-from .contract import METRICS_FILE_ENV, OUTPUT_DIR_ENV, RunFolder
+from .contract import METRICS_FILE_ENV, OUTPUT_DIR_ENV, RunFolder, ranks
 from .metrics import MODEL_FILE, format_line
 
 
@@ -37,7 +37,7 @@ def output_dir() -> Path:
 
 def is_main() -> bool:
     """Global rank 0 (torchrun's RANK), or a script run without torchrun."""
-    return int(os.environ.get("RANK", "0")) == 0
+    return ranks().is_main
 
 
 def report(metrics: dict[str, float], step: int) -> None:
@@ -95,6 +95,6 @@ def resume(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> 
         optimizer.load_state_dict(payload["optimizer"])
     if "rng" in payload:
         set_rng_state(payload["rng"])
-    print(f"[rank {os.environ.get('RANK', '0')}] resumed from {path} (epoch {payload['epoch']})", flush=True)
+    print(f"[rank {ranks().rank}] resumed from {path} (epoch {payload['epoch']})", flush=True)
     return int(payload["epoch"])
 

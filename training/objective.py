@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .config import OBJECTIVES
+from .config import BUILT_IN_OBJECTIVES, OBJECTIVES
 
 TARGET_KEYS = ("target", "label", "labels", "y")
 CLASSIFICATION, MODEL_LOSS = OBJECTIVES
@@ -109,7 +109,7 @@ def concat(parts: list):
 class Classification:
     """Cross-entropy and accuracy; the model's output is (N, classes) scores (or a dict's `logits`)."""
 
-    monitor, mode = "accuracy", "max"
+    monitor, mode = BUILT_IN_OBJECTIVES[CLASSIFICATION]
 
     @staticmethod
     def scores(output) -> torch.Tensor:

@@ -28,11 +28,11 @@ import os
 import site
 import sys
 import sysconfig
-import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import UserError
+from .uris import plain_sqlite, same_store, shown, sqlite_file
 from .refs import (REFERENCE_FIELDS, CodeReferenceError, is_file_reference, is_reference, resolve_defined, split,
                    top_package)
 
@@ -145,10 +145,10 @@ class Policy:
         if same_store(uri, self.home_store) or any(same_store(uri, s) for s in self.stores):
             return
         file = sqlite_file(uri)
-        if file is not None and _plain_sqlite(uri) and any(file == f or f in file.parents for f in self.folders):
+        if file is not None and plain_sqlite(uri) and any(file == f or f in file.parents for f in self.folders):
             return
-        raise NotAllowed(f"{name}={_hide_password(uri)!r}: a served run records to the operator's tracking store "
-                         f"({_hide_password(self.home_store)}) or a SQLite file in the folders it may use ({self.shown}); "
+        raise NotAllowed(f"{name}={shown(uri)!r}: a served run records to the operator's tracking store "
+                         f"({shown(self.home_store)}) or a SQLite file in the folders it may use ({self.shown}); "
                          f"leave {name} unset, or the operator allows that store with "
                          "`gpuflow serve --allow-stores <uri>`")
 
@@ -159,7 +159,7 @@ class Policy:
             return
         file = sqlite_file(storage)
         if file is None:
-            raise NotAllowed(f"storage={_hide_password(storage)[:200]!r}: a served sweep keeps its study in a "
+            raise NotAllowed(f"storage={shown(storage)[:200]!r}: a served sweep keeps its study in a "
                              f"SQLite file inside the folders it may use ({self.shown}), or in a database the "
                              "operator allows with `gpuflow serve --allow-stores <url>`; leave storage unset "
                              "(optuna.db beside the tracking store) or give sqlite:///<such a folder>/optuna.db")
@@ -197,58 +197,6 @@ def _text(name: str, value) -> str:
     if not isinstance(value, str):
         raise NotAllowed(f"{name}={value!r}: expected text (a reference, path or URI)")
     return value
-
-
-def _hide_password(uri: str) -> str:
-    parts = urllib.parse.urlsplit(uri)
-    if parts.password is None:
-        return uri
-    return parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", ":***@")).geturl()
-
-
-def sqlite_file(url: str) -> Path | None:
-    """The file SQLite opens for a SQLAlchemy SQLite URL, as SQLAlchemy hands it over: the
-    path, or a `file:` URI's path when the URL asks for URI parsing (`?uri=true`); None for
-    any other database, and for in-memory SQLite."""
-    from sqlalchemy.engine import make_url
-    from sqlalchemy.exc import ArgumentError
-
-    try:
-        u = make_url(url)
-    except (ArgumentError, ValueError):
-        return None
-    if u.get_backend_name() != "sqlite" or u.database in (None, "", ":memory:"):
-        return None
-    database = u.database
-    if str(u.query.get("uri", "")).lower() in ("true", "1") or database.startswith("file:"):
-        parts = urllib.parse.urlsplit(database)
-        if parts.scheme != "file" or parts.netloc not in ("", "localhost"):
-            return _opened(database)  # not a URI SQLite would parse: the literal name, as a file
-        if "memory" in (u.query.get("mode"), *urllib.parse.parse_qs(parts.query).get("mode", [])):
-            return None
-        return _opened(urllib.parse.unquote(parts.path))  # the kernel resolves it: links first, then '..'
-    return _opened(os.path.abspath(database))  # SQLAlchemy hands SQLite abspath(name): '..' collapsed first
-
-
-def _opened(name: str) -> Path:
-    """The file the kernel opens for `name` from this folder (no '~' expansion: SQLite does none)."""
-    return Path(os.path.join(os.getcwd(), name)).resolve()
-
-
-def _plain_sqlite(uri: str) -> bool:
-    """sqlite:///<path> with no query and no `file:` URI: the form every part of gpuflow reads alike."""
-    rest = uri.split(":///", 1)[-1]
-    return uri.startswith("sqlite:///") and "?" not in uri and not rest.startswith("file:")
-
-
-def same_store(a: str, b: str) -> bool:
-    """Whether two store URIs name the same store: the same file for SQLite, else the same URL."""
-    if not a or not b:
-        return False
-    fa, fb = sqlite_file(a), sqlite_file(b)
-    if fa is not None or fb is not None:
-        return fa == fb
-    return a.rstrip("/") == b.rstrip("/")
 
 
 def check_not_tracking_store(storage: str, tracking_uri: str | None) -> None:

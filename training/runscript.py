@@ -25,17 +25,15 @@ import traceback
 from pathlib import Path
 
 from . import contract
+from .compat import set_default_pg_timeout
+from .contract import ranks
 
 
 def _set_dist_timeout() -> float | None:
     seconds = os.environ.get(contract.DIST_TIMEOUT_ENV)
     if not seconds:
         return None
-    from datetime import timedelta
-
-    import torch.distributed.distributed_c10d as c10d
-
-    c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = timedelta(seconds=float(seconds))
+    set_default_pg_timeout(float(seconds))
     return float(seconds)
 
 
@@ -68,15 +66,15 @@ class ProcessGroupWatch:
     @classmethod
     def start_for(cls, script: str) -> "ProcessGroupWatch | None":
         """A watch when this is global rank 0 of several processes that can join a group, else None."""
-        world_size = int(os.environ.get("WORLD_SIZE", 1))
-        if world_size < 2 or int(os.environ.get("RANK", 0)) != 0:
+        here = ranks()
+        if here.world_size < 2 or not here.is_main:
             return None
         import torch.distributed as dist
 
         if not dist.is_available():
             return None
         grace = float(os.environ.get(contract.JOIN_GRACE_ENV) or contract.JOIN_GRACE_S)
-        return cls(Path(script).name, world_size, grace)
+        return cls(Path(script).name, here.world_size, grace)
 
     def _watch(self) -> None:
         started, warned = time.monotonic(), False
@@ -127,9 +125,24 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         return 1
     finally:
+        flush_mlflow()
         if watch:
             watch.finish(record=ended_well)
     return 0
+
+
+def flush_mlflow() -> None:
+    """The script's own queued MLflow calls (gpuflow turns on MLflow's asynchronous logging) written
+    before the interpreter shuts down: a script that never calls mlflow.end_run() would otherwise
+    lose its last metrics ("cannot schedule new futures after interpreter shutdown"). Only an
+    MLflow the script imported itself: the ranks never import it for gpuflow."""
+    mlflow = sys.modules.get("mlflow")
+    if mlflow is not None and hasattr(mlflow, "flush_async_logging"):
+        try:
+            mlflow.flush_async_logging()
+        except Exception as e:  # noqa: BLE001 - the script's outcome stands; the loss is said
+            print(f"gpuflow: the script's queued MLflow calls were not all written: {type(e).__name__}: {e}",
+                  file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

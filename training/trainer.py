@@ -16,14 +16,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from . import data as data_mod
 from .checkpoint import CheckpointError, CheckpointStore, load_file, load_model_state
 from .checkpoint import model_state, rng_state, save_file, set_rng_state, to_cpu, unwrap
-from .config import TrainConfig
+from .config import TrainConfig, batch_split
 from .distributed import DistContext, LaunchError, all_reduce_sum
 from .builder import make_model
 from .errors import TrainingDiverged
 from .faults import fault_hook
 from .metrics import MetricsFile
-from .contract import FAULT_ENV, LAUNCH_ATTEMPT_ENV
-from .objective import Totals, apply, batch_len, call_model, concat, load_objective, split_batch
+from .contract import FAULT_ENV, LAUNCH_ATTEMPT_ENV, ranks
+from .objective import Totals, apply, batch_len, concat, load_objective, split_batch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -83,11 +83,8 @@ class Trainer:
                 f"ids 0..{visible - 1} (CUDA_VISIBLE_DEVICES="
                 f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}); logical ids always start at 0"
             )
-        if self.cfg.batch_size < len(ids):
-            raise LaunchError(
-                f"batch_size {self.cfg.batch_size} is smaller than the {len(ids)} DataParallel "
-                f"devices; use batch_size >= {len(ids)}"
-            )
+        if why := batch_split(self.cfg.batch_size, len(ids), "DataParallel devices"):
+            raise LaunchError(why)
         model = model.to(torch.device("cuda", ids[0]))  # must live on device_ids[0] first
         return nn.DataParallel(model, device_ids=ids, output_device=ids[0])
 
@@ -106,7 +103,7 @@ class Trainer:
     def _resume_from(self) -> str | Path | None:
         """The run's own newest checkpoint once it has one (a restart continues, whatever
         `resume` says); before that, an explicit file, or nothing."""
-        restarted = (int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0  # torchrun's restart
+        restarted = (ranks().restarts > 0  # torchrun's restart
                      or int(os.environ.get(LAUNCH_ATTEMPT_ENV, 1)) > 1)  # a Prefect retry
         if self.cfg.resume == "never" and not restarted:
             return None
@@ -151,17 +148,7 @@ class Trainer:
             "history": self.history,
         }
         self.last_checkpoint = str(self.store.save(payload, self.epochs_run))
-        self.store.retain(self._kept())
-
-    def _kept(self) -> set[int]:
-        """The newest `keep_checkpoints` epochs and the best by the objective's monitored metric."""
-        newest = set(self.store.epochs()[-self.cfg.keep_checkpoints:])
-        key = f"val_{self.objective.monitor}"
-        scored = [h for h in self.history if isinstance(h.get(key), float)]
-        if not scored:
-            return newest
-        pick = max if self.objective.mode == "max" else min
-        return newest | {pick(scored, key=lambda h: h[key])["epoch"]}
+        self.store.retain(self.cfg.keep_checkpoints, self.history, f"val_{self.objective.monitor}", self.objective.mode)
 
     # --- loop ---------------------------------------------------------------------------
     def _to_device(self, batch, non_blocking: bool = False):
@@ -290,7 +277,7 @@ class Trainer:
             "device": str(self.device),
             "data_on_device": self.data_on_device,
             "resumed_from": self.resumed_from,
-            "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+            "restarts": ranks().restarts,
             "train_time_s": self.train_time_s,
             "peak_memory_mb": (torch.cuda.max_memory_allocated(self.device) / 2**20
                                if self.device.type == "cuda" else None),
@@ -305,35 +292,6 @@ class Trainer:
         """The trained model's state dict alone (CPU tensors, no wrapper prefix): what the
         registered model loads, strict, into the model's own class."""
         return save_file(path, model_state(self.model))
-
-    @torch.no_grad()
-    def example(self, n: int = 2) -> tuple:
-        """The registered model's example and outputs: the first `n` validation inputs, as an
-        array or, for a model taking named inputs, a dict of arrays (None for positional
-        tuples), each of its own dtype (floats as float32); and the model's outputs on them as
-        [{"name", "dtype", "shape" per sample}]: one unnamed entry for a tensor, the tensors
-        of a dict output by name (None for other outputs). Dtypes are those the registered
-        model's predict returns."""
-        from collections.abc import Mapping
-
-        from torch.utils.data import default_collate
-
-        inputs, _ = split_batch(default_collate([self.bundle.val[i] for i in range(min(n, len(self.bundle.val)))]))
-        if not (isinstance(inputs, torch.Tensor) or
-                isinstance(inputs, dict) and all(isinstance(v, torch.Tensor) for v in inputs.values())):
-            return None, None
-        model = unwrap(self.model)
-        was_training = model.training
-        model.eval()
-        out = call_model(model, self._to_device(inputs))
-        model.train(was_training)
-        array = (lambda t: t.float().cpu().numpy() if t.is_floating_point() else t.cpu().numpy())
-        example = array(inputs) if isinstance(inputs, torch.Tensor) else {k: array(v) for k, v in inputs.items()}
-        spec = (lambda name, t: {"name": name, "dtype": str(array(t[:0]).dtype), "shape": list(t.shape[1:])})
-        if isinstance(out, Mapping):  # a dict or a ModelOutput: its per-sample tensors (not a None loss)
-            named = [spec(k, v) for k, v in out.items() if isinstance(v, torch.Tensor) and v.dim() > 0]
-            return example, named or None
-        return example, ([spec(None, out)] if isinstance(out, torch.Tensor) and out.dim() > 0 else None)
 
     def _say(self, msg: str) -> None:
         if self.ctx.is_main:

@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 from prefect import task
 from pydantic import AfterValidator, BaseModel, Field, field_validator
 
-from gpuflow.training.config import FP16_NEEDS_CUDA
+from gpuflow.training.config import FP16_NEEDS_CUDA, batch_split
 from gpuflow.training.errors import UserError
 
 from .cards import CardLocks
@@ -217,12 +217,10 @@ def _gpu_plan(report: EnvironmentReport, req: Devices, cards: list[GpuInfo]) -> 
 def _check_batch_and_precision(plan: DevicePlan, report: EnvironmentReport, batch: int | None,
                                precision: str) -> None:
     n = len(plan.physical_ids) if plan.device == "cuda" else plan.nproc_per_node
-    if batch is not None and plan.strategy in ("dp", "ddp") and batch < n:  # None: a script's own batch
-        raise AssignmentError(f"global batch_size {batch} is smaller than the {n} devices of this "
-                              f"{plan.strategy} plan; use batch_size >= {n} or fewer devices")
-    if batch is not None and plan.strategy == "ddp" and batch % plan.nproc_per_node:
-        raise AssignmentError(f"global batch_size {batch} does not split evenly over "
-                              f"{plan.nproc_per_node} processes; use a multiple of {plan.nproc_per_node}")
+    if batch is not None and plan.strategy in ("dp", "ddp") and (  # None: a script's own batch
+            why := batch_split(batch, n, f"devices of this {plan.strategy} plan",
+                               plan.nproc_per_node if plan.strategy == "ddp" else None)):
+        raise AssignmentError(why)
     if precision == "fp16" and plan.device == "cpu":
         raise AssignmentError(FP16_NEEDS_CUDA)
     if precision == "bf16" and plan.device == "cuda":

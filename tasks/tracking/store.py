@@ -19,28 +19,14 @@ from gpuflow.training.errors import UserError
 if TYPE_CHECKING:  # MLflow is imported where it is used: this module's defaults need none of it
     from mlflow.tracking import MlflowClient
 
+from gpuflow.training.uris import sqlite_file as sqlite_path
+
 FLOW_RUN_TAG = "prefect.flow_run_id"  # on every run: finds a flow run's MLflow run
 
 
 def default_tracking_uri() -> str:
     """MLFLOW_TRACKING_URI, else `mlflow.db` in the working directory (like `runs/` and `data/`)."""
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
-
-
-def absolute_uri(uri: str) -> str:
-    """sqlite:///relative.db as an absolute path: the same store from any working folder."""
-    prefix = "sqlite:///"
-    if uri.startswith(prefix) and not uri[len(prefix):].startswith("/") and uri[len(prefix):] != ":memory:":
-        return prefix + str(Path(uri[len(prefix):]).resolve())
-    return uri
-
-
-def sqlite_path(uri: str) -> Path | None:
-    """The database file of a sqlite:/// URI; None for other stores (and in-memory SQLite)."""
-    prefix = "sqlite:///"
-    if not uri.startswith(prefix) or uri[len(prefix):] in ("", ":memory:"):
-        return None
-    return Path(uri[len(prefix):])
 
 
 def require_store(uri: str) -> None:
@@ -62,9 +48,8 @@ def prepare_store(uri: str) -> MlflowClient:
     from mlflow.tracking import MlflowClient
 
     mlflow.set_tracking_uri(uri)
-    if not uri.startswith("sqlite:///"):
+    if (db_path := sqlite_path(uri)) is None:
         return MlflowClient(uri)
-    db_path = Path(uri.removeprefix("sqlite:///"))
     db_path.parent.mkdir(parents=True, exist_ok=True)
     with _exclusive(db_path.with_name(db_path.name + "-lock")):
         client = MlflowClient(uri)
@@ -107,10 +92,8 @@ def ensure_experiment(client: MlflowClient, name: str) -> str:
     exp = client.get_experiment_by_name(name)
     if exp is not None:
         return exp.experiment_id
-    uri = client.tracking_uri
-    location = None
-    if uri.startswith("sqlite:///"):
-        location = str(Path(uri.removeprefix("sqlite:///")).resolve().parent / "mlartifacts" / name)
+    db = sqlite_path(client.tracking_uri)
+    location = str(db.parent / "mlartifacts" / name) if db else None
     from mlflow.exceptions import MlflowException
 
     try:

@@ -203,7 +203,7 @@ def tracked_run(uri: str, experiment: str, run_name: str, tags: dict, dataset: d
     try:
         if dataset:  # a user's script reads its own data
             log_dataset(dataset)
-        workdir = Path(runs_dir).resolve() / run.info.run_id
+        workdir = RunFolder.of(runs_dir, run.info.run_id).root
         workdir.mkdir(parents=True, exist_ok=True)
         yield TrackedRun(client, run.info.run_id, exp_id, workdir)
     except BaseException as e:

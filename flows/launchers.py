@@ -1,0 +1,234 @@
+"""What trains, for flows/job.py: gpuflow's own worker, or a user's torchrun script.
+
+A launcher knows its parameters, the name stem and tags of its runs, its data step, how to
+launch on a session's devices into a run's folder, and what a finished run logs and registers.
+Where it runs (this host, a sweep's slot, a node of a placed run) is the job's placement.
+
+A new launcher writes: `params`, `stem`, `tags`, `node_flow`, `prepare(s)`, `launch(...)`
+returning an Outcome, and `finish(run, outcome, registered, how)` returning the version.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
+
+from gpuflow.tasks.child import Stopped
+from gpuflow.tasks.launch import Rendezvous, TrainingFailed, launch_script, launch_training
+from gpuflow.tasks.tracking import results, tracked
+from gpuflow.training.contract import RunFolder
+
+from .params import PipelineParams, ScriptParams, worker_config
+from .prepared import prepared, retry_unless_it_repeats
+from .session import Session
+from .settings import Settings
+
+
+def dataset_label(dataset: str) -> str:
+    """imagefolder:/data/pets -> pets; myproj.data:datasets -> datasets; built-in names as they are."""
+    if dataset.startswith("imagefolder:"):
+        return Path(dataset.split(":", 1)[1]).name
+    return dataset.rpartition(":")[2] if ":" in dataset else dataset
+
+
+def stem(values: dict) -> str:
+    """The stem of a run's name, from its parameters as given: <script> for a script's run,
+    else <model>-<dataset> (the one rule for runs, flow runs and sweeps' default study names)."""
+    if values.get("script"):
+        return Path(values["script"]).stem
+    return f"{dataset_label(values.get('model', 'mlp'))}-{dataset_label(values.get('dataset', 'digits'))}"
+
+
+@dataclass
+class Outcome:
+    """What a launch gave back: rank 0's result (the worker's results JSON, or the script's collected
+    outputs); `rank0` False on a node whose processes did not hold global rank 0; `stopped` when
+    its stop was set (a sweep's pruner, or the sweep stopping)."""
+
+    result: dict = field(default_factory=dict)
+    rank0: bool = True
+    stopped: bool = False
+
+
+@dataclass
+class Launch:
+    """Where one launch runs, from the placement: a rendezvous (a node of a placed run; its name),
+    a stop event and a per-epoch listener (a sweep's trial), a working folder (a script's trial)."""
+
+    log_params: bool = True
+    retries: bool = True
+    rdzv: Rendezvous | None = None
+    node: str | None = None
+    on_metrics: Callable[[int, dict], None] | None = None  # (epoch, metrics): a sweep's pruner
+    metric: str | None = None  # the metric it wants: a script may log it itself, so it is read from the run
+    stop: threading.Event | None = None
+    cwd: Path | None = None
+
+
+class Worker:
+    """gpuflow's own worker (training/): the data step and preflight, its config, torchrun or python."""
+
+    node_flow = "train-node"
+
+    def __init__(self, params: PipelineParams):
+        self.params, self.data = params, None
+        self.stem = stem({"model": params.model, "dataset": params.dataset})
+        self.tags = {"dataset": params.dataset, "model": params.model}
+        self.batch_size, self.precision = params.batch_size, params.precision
+
+    def prepare(self, s: Session) -> dict:
+        self.data = prepared(self.params, s)
+        return self.data.model_dump(mode="json")
+
+    def launch(self, s: Session, run: tracked.TrackedRun | None, folder: RunFolder, how: Launch) -> Outcome:
+        p = self.params
+        config = worker_config(p, s.plan, self.data, folder)
+        if run is not None and how.log_params:
+            run.log_params(p.run_params(config, s.plan))
+        launch = launch_training.with_options(retries=p.launch_retries if how.retries else 0,
+                                              retry_condition_fn=retry_unless_it_repeats)
+        with s.timer("launch"), run.relaying_metrics(how.on_metrics) if run else nullcontext():
+            result = launch(config.to_json(folder.config), s.plan, p, p, folder.root,
+                            run.metrics_file if run else None, s.cards, how.rdzv, how.stop)
+        return Outcome(result, rank0=result.get("rank0", True), stopped=result.get("stopped", False))
+
+    def finish(self, s: Session, run: tracked.TrackedRun, outcome: Outcome, registered: str | None,
+               summary: bool) -> str | None:
+        result = outcome.result
+        with s.timer("log_results"):
+            version = results.log_results(run, result, registered, str(Path.cwd()), self.describe(s, result))
+        if summary:
+            self.summarize(s, result, run, version)
+            # grouped apart in the MLflow UI, so loss and accuracy lead the run's charts
+            run.log_metrics({f"pipeline/{k}_s": v for k, v in s.timer.seconds.items()})
+        return version
+
+    def describe(self, s: Session, result: dict) -> str:
+        """The registered version's description: what it is, how it was trained, how well it does."""
+        p, m = self.params, result["final_metrics"]
+        scores = ", ".join(f"{k} {v:.4f}" for k, v in m.items() if k.startswith("val_") or k == "train_loss")
+        where = f" over {p.nodes} nodes" if p.nodes > 1 else ""
+        return (f"{p.model} trained on {p.dataset} by run {s.name}{where}: {result['epochs_run']} epochs, "
+                f"{s.plan.strategy} on {s.plan.describe()}, batch {p.batch_size}, lr {p.lr}, {p.precision}. "
+                f"Final {scores}. Input and output: float32 arrays as in the signature ({p.objective}).")
+
+    def summarize(self, s: Session, result: dict, run: tracked.TrackedRun, version: str | None) -> None:
+        p, plan = self.params, s.plan
+        rows = "\n".join(f"| {k} | {v:.4f} |" for k, v in result["final_metrics"].items())
+        create_markdown_artifact(key="training-summary", description=f"{p.model} on {p.dataset}", markdown=(
+            f"# {p.model} on {p.dataset}\n\n**Devices**: {plan.describe()} ({plan.strategy}, {plan.backend}, "
+            f"world size {result['world_size']})  \n**Epochs run**: {result['epochs_run']}  \n"
+            f"**MLflow run**: `{run.run_id}` (`gpuflow ui`, then {Settings().mlflow_ui_url}/#/experiments/"
+            f"{run.experiment_id}/runs/{run.run_id})  \n**Registered model**: {p.registered_model} v{version}\n\n"
+            f"| metric | value |\n|---|---|\n{rows}\n"))
+
+
+class Script:
+    """A user's script, unchanged, under torchrun (tasks/launch.py launch_script); its files collected."""
+
+    node_flow = "script-node"
+    batch_size = precision = None
+
+    def __init__(self, params: ScriptParams):
+        self.params = params
+        self.stem = stem({"script": params.script})
+        self.tags = {"script": params.script}
+
+    def prepare(self, s: Session) -> None:
+        return None  # a script reads its own data
+
+    def launch(self, s: Session, run: tracked.TrackedRun, folder: RunFolder, how: Launch) -> Outcome:
+        p = self.params
+        if how.log_params:
+            run.log_params(p.run_params(s.plan))
+        launched = time.time()  # collected files older than this were not written by the script
+        rank0 = False
+        try:
+            with watching(run, how.metric, how.on_metrics), run.relaying_metrics():
+                launch_script(p.script, p.script_args, p, p.tracking_uri, s.plan, run, s.cards, how.rdzv,
+                              how.stop, how.cwd)
+            rank0 = how.rdzv is None or folder.process_group.is_file()  # rank 0 leaves it when the script ends
+        except TrainingFailed:
+            if how.rdzv is None:  # the failed script's files and logs are kept in the run too
+                collect_outputs(run, p.collect, launched, how.cwd)
+            raise
+        except Stopped:
+            return Outcome(stopped=True)
+        finally:
+            if how.node and not rank0:
+                from gpuflow.tasks.scriptout import log_node_logs
+
+                log_node_logs(run, how.node)
+        if not rank0:
+            return Outcome(rank0=False)
+        return Outcome(collect_outputs(run, p.collect, launched if how.rdzv is None else None, how.cwd))
+
+    def finish(self, s: Session, run: tracked.TrackedRun, outcome: Outcome, registered: str | None,
+               summary: bool) -> str | None:
+        RunFolder(run.workdir).result.write_text(json.dumps(outcome.result))  # a sweep registers its best from it
+        outcome.result["world_size"] = self.params.world_size(s.plan)
+        return self.register(run, outcome.result, registered) if registered else None
+
+    def register(self, run: tracked.TrackedRun, outputs: dict, registered: str, how: str | None = None) -> str | None:
+        """Register the checkpoint as a model when the script declared its class (helper.declare_model);
+        `how` it was trained goes into the version's description (default: the run)."""
+        return register(run, outputs, registered, self.params.script, how)
+
+
+@contextmanager
+def watching(run: tracked.TrackedRun, metric: str | None, report, interval: float = 1.0):
+    """Read `metric`'s values from the run while the block runs (whoever logs them: the relay or
+    the script itself) and give each new one to `report`; the k-th value is epoch k."""
+    if report is None:
+        yield
+        return
+    done = threading.Event()
+
+    def poll() -> None:
+        seen = 0
+        while not done.wait(interval):
+            history = sorted(run.client.get_metric_history(run.run_id, metric), key=lambda m: (m.step, m.timestamp))
+            for k, m in enumerate(history[seen:], start=seen):
+                report(k, {metric: m.value})
+            seen = len(history)
+
+    watcher = threading.Thread(target=poll, name="gpuflow-trial-metric", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join()
+
+
+@task(name="collect-outputs", cache_policy=NO_CACHE)
+def collect_outputs(run: tracked.TrackedRun, patterns: list[str], launched: float | None,
+                    cwd: Path | None = None) -> dict:
+    """Log the output folder, the `collect` files and the logs; de-prefix the newest state dict
+    and log it as the run's checkpoint (or log it unchanged and say why). Tag and warn about
+    collected files older than `launched`, and about processes that never joined a process group."""
+    from gpuflow.tasks.scriptout import flag_not_distributed, gather
+
+    flag_not_distributed(run)
+    return gather(run, patterns, cwd or Path.cwd(), launched)
+
+
+@task(name="register-model", cache_policy=NO_CACHE)
+def register(run: tracked.TrackedRun, outputs: dict, registered: str, script: str, how: str | None) -> str | None:
+    spec = outputs.get("model_spec")
+    if not spec or not outputs.get("weights"):
+        get_run_logger().info("no model registered: %s", "the script declared no model (gpuflow.training.helper."
+                              "declare_model)" if not spec else "no state dict was found")
+        return None
+    description = f"{spec['reference']} trained by {Path(script).name} {how or f'(run {run.run_id})'}"
+    return results.register_model(run, {"model_spec": spec, "weights": outputs["weights"]}, registered,
+                                  str(Path.cwd()), description)

@@ -1,0 +1,99 @@
+"""A node's side of a placed run (flows/nodes.py places it): which node it is, and the rendezvous.
+
+Node 0 hosts the rendezvous store: it picks a free port on its address and publishes the endpoint
+as a Prefect Variable (the natural shared store of the nodes: nobody types it), which the other
+nodes read. torchrun's c10d rendezvous then gives the global ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import urllib.parse
+
+from prefect.runtime import flow_run
+from pydantic import BaseModel, Field
+
+from gpuflow.tasks.launch import Rendezvous, TrainingFailed
+from gpuflow.training.contract import NODE_ADDR_ENV, NODE_DIR_ENV
+
+POLL_S = 1.0
+
+
+class NodeJob(BaseModel):
+    """What the parent tells each node: the job, which node it is, and the run it logs into."""
+
+    # names that become folders, Variable names and store queries: their own alphabets, never a path
+    id: str = Field(pattern=r"^[A-Za-z0-9-]{1,64}$",
+                    description="the job's id (the parent flow run's): rendezvous id and Variable names")
+    index: int = Field(ge=0, le=4096, description="0 hosts the rendezvous store and publishes its endpoint")
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$",
+                      description="the machine's queue in the node pool; names the node in logs and artifacts")
+    run_id: str = Field(pattern=r"^[0-9a-f]{32}$", description="the parent's MLflow run, which every node attaches to")
+
+
+class NodeFailed(TrainingFailed):
+    """A node of a placed run failed or never started."""
+
+
+def variable(kind: str, job_id: str) -> str:
+    return f"gpuflow-{kind}-{job_id}"
+
+
+def node_address() -> str:
+    """This machine's address for the other nodes: GPUFLOW_NODE_ADDR, else the one it reaches the
+    Prefect API from (the network the nodes share with the orchestration)."""
+    from prefect.settings import PREFECT_API_URL
+
+    if os.environ.get(NODE_ADDR_ENV):
+        return os.environ[NODE_ADDR_ENV]
+    host = urllib.parse.urlparse(PREFECT_API_URL.value() or "http://127.0.0.1").hostname or "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))  # no packet is sent: this only picks the route's source address
+        return s.getsockname()[0]
+
+
+def rendezvous(job: NodeJob, nodes: int, timeout_s: float) -> Rendezvous:
+    """Node 0 picks a free port on its address and publishes the endpoint; the others read it."""
+    from prefect.variables import Variable
+
+    address, key = node_address(), variable("rdzv", job.id)
+    if job.index == 0:
+        with socket.socket() as s:
+            s.bind((address, 0))
+            endpoint = f"{address}:{s.getsockname()[1]}"
+        Variable.set(key, endpoint, overwrite=True)
+    else:
+        deadline = time.monotonic() + timeout_s
+        while (endpoint := Variable.get(key)) is None:
+            if time.monotonic() > deadline:
+                raise NodeFailed(f"node 0 published no rendezvous endpoint within {timeout_s:g} s")
+            time.sleep(POLL_S)
+    return Rendezvous(endpoint=endpoint, id=job.id, nnodes=nodes, host=job.index == 0, local_addr=address,
+                      interface=interface_of(address))
+
+
+def interface_of(address: str) -> str | None:
+    """The network interface that holds `address` on this machine."""
+    import psutil
+
+    return next((name for name, addrs in psutil.net_if_addrs().items() if any(a.address == address for a in addrs)),
+                None)
+
+
+def node_name() -> str:
+    p = flow_run.get_parameters()
+    return f"{p.get('job', {}).get('name', 'node')}-{str(p.get('job', {}).get('id', ''))[:8]}"
+
+
+def in_node_folder(fn):
+    """Run the node's flow in the folder `gpuflow node` serves from (the worker would use a temporary
+    one), before its parameters resolve their paths there."""
+    def run(**values):
+        os.chdir(os.environ.get(NODE_DIR_ENV, "."))
+        return fn(**values)
+
+    run.__signature__, run.__doc__, run.__name__ = fn.__signature__, fn.__doc__, fn.__name__
+    run.__qualname__, run.__module__ = fn.__qualname__, fn.__module__
+    return run

@@ -1,0 +1,60 @@
+"""A launch's failure in one line: the first rank's own exception (the error file it left), else the
+signal that killed it, else the last line of its output; then the last lines, for the log."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import signal
+from pathlib import Path
+
+from gpuflow.training.contract import ERROR_DIR_ENV, RunFolder, describe, read_error
+
+
+class TrainingFailed(RuntimeError):
+    """The worker exited non-zero; the message names the cause, then its last lines of output.
+    `deterministic`: the ranks said running it again would fail the same way."""
+
+    def __init__(self, message: str, deterministic: bool = False):
+        super().__init__(message)
+        self.deterministic = deterministic
+
+
+def error_folder(workdir: Path) -> dict:
+    """Where the ranks of this launch leave their errors (training/contract.py), emptied first."""
+    folder = RunFolder(workdir).errors
+    shutil.rmtree(folder, ignore_errors=True)
+    return {ERROR_DIR_ENV: str(folder)}
+
+
+def failure(what: str, code: int, workdir: Path, tail: list[str], log_name: str) -> TrainingFailed:
+    """The failure as one first line naming its cause (the first rank's own exception and where
+    it was raised), then the last lines of output."""
+    record = read_error(RunFolder(workdir).errors)
+    last = next((line for line in reversed(tail) if line.strip()), "no output")
+    cause = (describe(record) if record else killed(code, tail)
+             or f"exited with code {code}; its last line: {last.strip()[:500]}")
+    return TrainingFailed(f"{what} failed: {cause}\nlast output (all of it in the run's logs/{log_name}):\n"
+                          + "\n".join(tail[-15:]), deterministic=bool(record and record["deterministic"]))
+
+
+TORCHRUN_SIGNAL = re.compile(r"Signal \d+ \((SIG\w+)\) received by PID")  # torchrun's failure summary
+TORCHRUN_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
+
+
+def killed(code: int, tail: list[str]) -> str | None:
+    """A process ended by a signal (SIGKILL from the out-of-memory killer, say) leaves no error
+    file: the signal, from the reaper's exit code (128 + signal) or torchrun's failure summary."""
+    who, name, rank = "the process", None, None
+    if code > 128 and code - 128 in {s.value for s in signal.Signals}:
+        name = signal.Signals(code - 128).name
+    for line in tail:  # torchrun lists the root cause (the first failure) last
+        if m := TORCHRUN_RANK.match(line):
+            rank = m.group(1)
+        elif m := TORCHRUN_SIGNAL.search(line):
+            who, name = (f"rank {rank}" if rank is not None else who), m.group(1)
+    if not name:
+        return None
+    oom = ("; SIGKILL is also what the kernel's out-of-memory killer sends: see `dmesg` and the run's memory"
+           if name == "SIGKILL" else "")
+    return f"{who} was killed by {name}{oom}"

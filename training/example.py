@@ -1,0 +1,49 @@
+"""The registered model's input example and output spec, from a trained worker's model (rank 0)."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Mapping
+
+import torch
+from torch.utils.data import default_collate
+
+from .checkpoint import unwrap
+from .objective import apply, call_model, split_batch
+
+
+@torch.no_grad()
+def model_example(model, val, device, n: int = 2) -> tuple:
+    """The first `n` validation inputs, as an array or, for a model taking named inputs, a dict of
+    arrays (None for positional tuples), each of its own dtype (floats as float32); and the model's
+    outputs on them as [{"name", "dtype", "shape" per sample}]: one unnamed entry for a tensor, the
+    tensors of a dict output by name (None for other outputs). Dtypes are those the registered
+    model's predict returns."""
+    inputs, _ = split_batch(default_collate([val[i] for i in range(min(n, len(val)))]))
+    if not (isinstance(inputs, torch.Tensor) or
+            isinstance(inputs, dict) and all(isinstance(v, torch.Tensor) for v in inputs.values())):
+        return None, None
+    model = unwrap(model)
+    was_training = model.training
+    model.eval()
+    out = call_model(model, apply(inputs, lambda t: t.to(device)))
+    model.train(was_training)
+    array = (lambda t: t.float().cpu().numpy() if t.is_floating_point() else t.cpu().numpy())
+    example = array(inputs) if isinstance(inputs, torch.Tensor) else {k: array(v) for k, v in inputs.items()}
+    spec = (lambda name, t: {"name": name, "dtype": str(array(t[:0]).dtype), "shape": list(t.shape[1:])})
+    if isinstance(out, Mapping):  # a dict or a ModelOutput: its per-sample tensors (not a None loss)
+        named = [spec(k, v) for k, v in out.items() if isinstance(v, torch.Tensor) and v.dim() > 0]
+        return example, named or None
+    return example, ([spec(None, out)] if isinstance(out, torch.Tensor) and out.dim() > 0 else None)
+
+
+def npy_bytes(example) -> tuple[bytes, str]:
+    """An array as .npy, or named arrays as .npz; (the bytes, the suffix)."""
+    import numpy as np
+
+    buf = io.BytesIO()
+    if isinstance(example, dict):
+        np.savez(buf, **example)
+        return buf.getvalue(), ".npz"
+    np.save(buf, example)
+    return buf.getvalue(), ".npy"

@@ -1,0 +1,37 @@
+"""Which metric judges a run, and which way is better: the one rule, torch-free, for the sweep's
+target, the retrain's comparison, the space file's check and the worker's best checkpoint."""
+
+from __future__ import annotations
+
+from .config import BUILT_IN_OBJECTIVES as BUILT_IN
+
+
+def monitored(objective: str, code_root: str | None = None) -> tuple[str, str]:
+    """(the metric an objective monitors, its mode): a built-in's, or the user objective's own
+    (importing user code, as the preflight does)."""
+    if objective in BUILT_IN:
+        return BUILT_IN[objective]
+    from .objective import load_objective
+
+    obj = load_objective(objective, code_root)
+    return obj.monitor, obj.mode
+
+
+def mode_of(metric: str, monitor: str, mode: str) -> str:
+    """min or max for `metric` (val_ and eval prefixes aside): the objective's mode for its own
+    monitor; lower for a loss, higher for an accuracy; otherwise the objective's mode."""
+    name = metric.removeprefix("val_")
+    if name == monitor:
+        return mode
+    if "loss" in name:
+        return "min"
+    if "accuracy" in name:
+        return "max"
+    return mode
+
+
+def better(challenger: float, champion: float | None, mode: str) -> bool:
+    """Strictly better by `mode` (anything is better than no champion)."""
+    if champion is None:
+        return True
+    return challenger < champion if mode == "min" else challenger > champion
