@@ -11,7 +11,8 @@ Which process runs each module:
   in both the flow and the ranks, torch-free (the flow of a built-in run never imports torch):
       config (the worker's config and the training parameters), contract (the run folder,
       GPUFLOW_* variables, the error file), refs, policy (the served door), errors, files, lifetime,
-      datacache (lookup), judged (which metric judges a run, which way is better)
+      datacache (lookup), judged (which metric judges a run, which way is better), uris (store
+      URIs: the file SQLite opens), compat (other projects' bugs worked around, each with its issue)
   in the flow, with torch, only for the user's own code or data prepared the first time:
       preflight (one batch through the user's model), userdata, data (prepare), builder and
       checkpoint (an explicit resume file), statedict (a script's checkpoint, de-prefixed)
