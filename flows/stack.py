@@ -50,6 +50,7 @@ from .credentials import Credentials, stack_credentials, write_private
 from .postgres import Cluster, create_databases, database, run
 from .settings import LOOPBACK
 
+AUTH_CACHE_TTL_S = 60  # MLflow's own cache of verified basic-auth credentials (off by default)
 STUDY_VARIABLE = "gpuflow_sweep_storage"  # the Prefect Variable where sweeps find the stack's study database
 MLFLOW_DEFAULT_PERMISSION = "READ"  # what a user the admin adds may do before being granted more
 STOP_GRACE_S = 30
@@ -121,7 +122,11 @@ def mlflow_env(data: Path, url: str, credentials: Credentials) -> dict:
     write_private(config, "[mlflow]\n"
                   f"default_permission = {MLFLOW_DEFAULT_PERMISSION}\n"
                   f"database_uri = {database(url, 'mlflow_auth', 'psycopg')}\n"
-                  "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
+                  "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
+                  # a verified password is remembered (HMAC-keyed, per process) for a minute: the
+                  # hash check (scrypt, ~100 ms) otherwise ran on every call. One worker, and the
+                  # stack changes no password: nothing stale to serve (MLflow's basic_auth.ini)
+                  f"auth_cache_ttl_seconds = {AUTH_CACHE_TTL_S}\n")
     return dict(os.environ, MLFLOW_AUTH_CONFIG_PATH=str(config),
                 MLFLOW_AUTH_ADMIN_USERNAME=credentials.mlflow_username,
                 MLFLOW_AUTH_ADMIN_PASSWORD=credentials.mlflow_password,  # used only to create the admin
