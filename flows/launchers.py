@@ -230,5 +230,9 @@ def register(run: tracked.TrackedRun, outputs: dict, registered: str, script: st
                               "declare_model)" if not spec else "no state dict was found")
         return None
     description = f"{spec['reference']} trained by {Path(script).name} {how or f'(run {run.run_id})'}"
-    return results.register_model(run, {"model_spec": spec, "weights": outputs["weights"]}, registered,
+    if not outputs.get("input_example"):
+        get_run_logger().info("model registered without a signature: declare it with an example batch "
+                              "(helper.declare_model(..., input_example=x)) for one")
+    return results.register_model(run, {"model_spec": spec, "weights": outputs["weights"],
+                                        "input_example": outputs.get("input_example")}, registered,
                                   str(Path.cwd()), description)

@@ -106,7 +106,7 @@ def gather(run: TrackedRun, patterns: list[str], cwd: Path, launched: float | No
     `gpuflow.checkpoint` tag says why. Collected files last written before `launched` (a
     timestamp) are named in the `gpuflow.predates_run` tag.
     """
-    from gpuflow.training.metrics import MODEL_FILE  # torch-free: no torch import when there is nothing to load
+    from gpuflow.training.metrics import EXAMPLE_STEM, MODEL_FILE  # torch-free: no torch import for nothing
 
     folder = RunFolder(run.workdir.resolve())
     outputs = folder.outputs
@@ -127,7 +127,9 @@ def gather(run: TrackedRun, patterns: list[str], cwd: Path, launched: float | No
         flag_predating(run, [p for p in collected if p.stat().st_mtime < launched], launched, source, cwd)
     found = {"outputs": [str(p.relative_to(outputs)) for p in produced] + [str(p) for p in collected],
              "model_spec": declared_model(outputs / MODEL_FILE) if outputs / MODEL_FILE in produced else None,
-             "checkpoint": None, "weights": None}
+             "checkpoint": None, "weights": None,
+             "input_example": next((str(p) for p in produced if p.parent == outputs and p.stem == EXAMPLE_STEM
+                                    and p.suffix in (".npy", ".npz")), None)}
     if source is None:
         run.client.set_tag(run.run_id, "gpuflow.checkpoint", "none: the script saved no *.pt or *.pth file in "
                            "GPUFLOW_OUTPUT_DIR or the collect patterns")

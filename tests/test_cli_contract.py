@@ -77,6 +77,15 @@ def test_a_reference_that_does_not_resolve_is_refused_before_any_server_or_data(
     assert out.stdout == ""
 
 
+def test_a_resume_file_that_is_not_there_is_refused_before_any_server_or_data(tmp_path):
+    out = local(["run", "--resume", "missing.pt", "--gpus", "cpu"], tmp_path)
+    assert out.returncode == 2 and STARTS_API not in out.stderr, out.stderr[-3000:]
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"gpuflow run: resume='missing.pt': checkpoint '{tmp_path.resolve() / 'missing.pt'}' does not exist; "
+        "check the resume path (or use auto or never)")
+    assert not (tmp_path / "data").exists() and not (tmp_path / "mlflow.db").exists()
+
+
 def test_a_one_device_command_refuses_several_devices_before_any_server(tmp_path):
     out = local(["evaluate", "--gpus", "3"], tmp_path)
     assert out.returncode == 2 and STARTS_API not in out.stderr, out.stderr[-3000:]

@@ -102,8 +102,8 @@ def store_of(tokens):
 
 def test_a_dict_output_is_in_the_signature_and_named_int64_inputs_keep_their_dtype(store_of):
     signature = mlflow.models.get_model_info("models:/tokens/1").signature
-    assert {s.name: (s.type, s.shape) for s in signature.inputs.inputs} == {
-        "input_ids": (np.dtype("int64"), (-1, 6)), "attention_mask": (np.dtype("int64"), (-1, 6))}
+    assert {s.name: (s.type, s.shape) for s in signature.inputs.inputs} == {  # token ids: any length
+        "input_ids": (np.dtype("int64"), (-1, -1)), "attention_mask": (np.dtype("int64"), (-1, -1))}
     assert [(s.name, s.type, s.shape) for s in signature.outputs.inputs] == [("logits", np.dtype("float32"), (-1, 3))]
 
 
@@ -129,6 +129,8 @@ def test_predict_takes_named_int64_inputs_and_returns_a_dict_in_a_process_withou
         assert sorted(out) == ["logits"] and out["logits"].dtype == np.float32, out
         assert out["logits"].shape == (5, 3), out["logits"].shape
         assert model.predict(model.input_example)["logits"].shape == (2, 3)
+        longer = {k: np.concatenate([v, v[:, :3]], axis=1) for k, v in batch.items()}  # another sequence length
+        assert model.predict(longer)["logits"].shape == (5, 3)
         np.save({str(base / "logits.npy")!r}, out["logits"])
         print("predicted")
     """, cwd=base)

@@ -116,7 +116,7 @@ HELPER = """
     loader = DataLoader(ds, batch_size=32, sampler=sampler)
     model = DDP(SimpleNN(hidden=16))
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    helper.declare_model("mynet:SimpleNN", hidden=16)
+    helper.declare_model("mynet:SimpleNN", hidden=16, input_example=ds.tensors[0][:2])
     start = helper.resume(model, opt)
     kill = os.environ.get("KILL_AT")
     for epoch in range(start, epochs):
@@ -239,8 +239,10 @@ def test_the_helper_reports_live_resumes_after_a_killed_rank_and_registers_the_m
         mlflow.set_tracking_uri({f"sqlite:///{folder / 'mlflow.db'}"!r})
         m = mlflow.pyfunc.load_model("models:/scripted/1")
         print("shape", m.predict(np.zeros((4, 20), dtype=np.float32)).shape)
+        print("signature", m.metadata.signature.inputs.to_dict())
     """, cwd=elsewhere)
     assert "shape (4, 3)" in out.stdout, out.stderr[-3000:]
+    assert "'shape': (-1, 20)" in out.stdout, out.stdout  # from the example the script declared
     torch.save({"inputs": torch.zeros(4, 20)}, tmp_path / "x.pt")
     infer = gpuflow(["infer", "--registered-model", "scripted", "--version", "1", "--inputs", str(tmp_path / "x.pt"),
                      "--gpus", "cpu", "--tracking-uri", f"sqlite:///{folder / 'mlflow.db'}"], elsewhere, api_url)

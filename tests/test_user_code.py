@@ -92,6 +92,8 @@ BAD_ROWS = {  # name: (extra code, config overrides, what the message must say)
     "labels outside the outputs": (
         "def big(root):\n    x = torch.randn(6, 4)\n    return TensorDataset(x, torch.arange(6)), "
         "TensorDataset(x, torch.arange(6))\n", dict(dataset="{f}:big"), "labels run 0..5, outside the model's 3"),
+    "more outputs than the labels use": ("", dict(model_args={"num_classes": 10}),
+                                         "the model outputs 10 class scores but the labels run 0..2 (3 classes)"),
     "loss not a scalar": ("def per_sample(out, y):\n    return (out - 1).abs().sum(1)\n",
                           dict(objective="{f}:per_sample"), "loss returned shape (2,)"),
 }

@@ -124,9 +124,15 @@ class Training(BaseModel):
 
     @field_validator("data_root", "resume")
     @classmethod
-    def _absolute(cls, v: str) -> str:
-        """Paths mean what they meant where the user typed them: workers run in the run's folder."""
-        return v if v in ("auto", "never") else str(Path(v).expanduser().resolve())
+    def _absolute(cls, v: str, info) -> str:
+        """Paths mean what they meant where the user typed them: workers run in the run's folder.
+        A resume file that is not there is refused now, before a server starts or data is read."""
+        if v in ("auto", "never"):
+            return v
+        path = Path(v).expanduser().resolve()
+        if info.field_name == "resume" and not path.is_file():
+            raise ValueError(f"checkpoint {str(path)!r} does not exist; check the resume path (or use auto or never)")
+        return str(path)
 
     @model_validator(mode="after")
     def _args_for_own_model(self) -> "Training":

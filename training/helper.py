@@ -25,9 +25,9 @@ from torch import nn
 
 from .checkpoint import (CheckpointStore, clean_state_dict, load_file, model_state, rng_state, set_rng_state, to_cpu,
                          unwrap)
-from .files import write_json_atomic
+from .files import atomic_write, write_json_atomic
 from .contract import METRICS_FILE_ENV, OUTPUT_DIR_ENV, RunFolder, ranks
-from .metrics import MODEL_FILE, format_line
+from .metrics import EXAMPLE_STEM, MODEL_FILE, format_line
 
 
 def output_dir() -> Path:
@@ -51,13 +51,21 @@ def report(metrics: dict[str, float], step: int) -> None:
         f.write(line)
 
 
-def declare_model(reference: str, **kwargs) -> None:
+def declare_model(reference: str, *, input_example=None, **kwargs) -> None:
     """Name the model class (`package.module:Class` or `file.py:Class`) and the keyword arguments
-    that rebuild it, so the flow registers the trained weights as a model that loads anywhere."""
+    that rebuild it, so the flow registers the trained weights as a model that loads anywhere.
+    `input_example`, a small batch (a tensor, or a dict of tensors), becomes the registered model's
+    input example and signature."""
     if not is_main():
         return
     if ":" not in reference:
         raise ValueError(f"declare_model({reference!r}): use package.module:Class or file.py:Class")
+    if input_example is not None:
+        from .example import npy_bytes
+
+        data, suffix = npy_bytes(to_cpu(input_example).numpy() if isinstance(input_example, torch.Tensor)
+                                 else {k: to_cpu(v).numpy() for k, v in input_example.items()})
+        atomic_write(output_dir() / f"{EXAMPLE_STEM}{suffix}", lambda tmp: tmp.write_bytes(data))
     write_json_atomic(output_dir() / MODEL_FILE, {"reference": reference, "kwargs": kwargs})
 
 

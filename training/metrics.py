@@ -15,6 +15,7 @@ import time
 from .contract import METRICS_FILE_ENV, OUTPUT_DIR_ENV  # noqa: F401  (OUTPUT_DIR_ENV: helper's)
 
 MODEL_FILE = "model.json"  # in that folder: the model the script declared (reference and kwargs)
+EXAMPLE_STEM = "input_example"  # and its input example, when declared with one: .npy, or .npz (named inputs)
 
 
 def format_line(step: int, metrics: dict[str, float], timestamp_ms: int | None = None) -> str:

@@ -82,12 +82,18 @@ def _check_classification(cfg: TrainConfig, bundle, out, target, what: str) -> i
     if not isinstance(target, torch.Tensor) or target.is_floating_point():
         raise DatasetError(f"dataset {cfg.dataset!r}: classification needs integer class labels as targets; got "
                            f"{shapes(target)}; return (input, label) samples, or set objective to your own loss")
-    labels = _all_labels(bundle.train)
-    labels = labels if labels is not None else target  # else the batch's: decoding every sample is a job for training
+    every = _all_labels(bundle.train)
+    labels = every if every is not None else target  # else the batch's: decoding every sample is a job for training
     low, high = int(labels.min()), int(labels.max())
     if low < 0 or high >= classes:
         raise DatasetError(f"dataset {cfg.dataset!r}: labels run {low}..{high}, outside the model's {classes} "
                            f"outputs (0..{classes - 1}); fix the labels or the model's output size")
+    if every is not None and not bundle.num_classes and classes > high + 1:
+        raise UserError(f"{what}: the model outputs {classes} class scores but the labels run {low}..{high} "
+                        f"({high + 1} classes): it would train, and be registered, with {classes - high - 1} "
+                        f"scores no label uses; give it {high + 1} outputs (e.g. model_args "
+                        f"'{{\"num_classes\": {high + 1}}}' for torchvision models), or have the dataset factory "
+                        "return num_classes")
     return classes
 
 

@@ -54,7 +54,8 @@ def model_code(spec: dict, code_root: str | None, folder: Path) -> tuple[str, li
 def model_signature(example_file: str | None, outputs: list[dict] | None) -> tuple:
     """(the input example: an array, or named arrays from a .npz; its signature, None without one).
 
-    Inputs keep the example's dtypes (int64 token ids stay int64); `outputs` is the worker's
+    Inputs keep the example's dtypes (int64 token ids stay int64) and, being integers, any length
+    (a text model's sequence); float inputs keep their sample shape. `outputs` is the worker's
     [{"name", "dtype", "shape"}], one unnamed entry for a tensor output."""
     import numpy as np
     from mlflow.models.signature import ModelSignature
@@ -66,10 +67,29 @@ def model_signature(example_file: str | None, outputs: list[dict] | None) -> tup
     if isinstance(example, np.lib.npyio.NpzFile):  # named inputs
         example = dict(example)
     named = example.items() if isinstance(example, dict) else [(None, example)]
+    # integer inputs (token ids, attention masks) take any length: only the batch is free otherwise
+    free = (lambda a: (-1,) * a.ndim if np.issubdtype(a.dtype, np.integer) else (-1, *a.shape[1:]))
     return example, ModelSignature(
-        inputs=Schema([TensorSpec(a.dtype, (-1, *a.shape[1:]), name) for name, a in named]),
+        inputs=Schema([TensorSpec(a.dtype, free(a), name) for name, a in named]),
         outputs=Schema([TensorSpec(np.dtype(o["dtype"]), (-1, *o["shape"]), o["name"]) for o in outputs])
         if outputs else None)
+
+
+@contextmanager
+def quiet_logger(name: str | None):
+    """`name`'s warnings off for the block (a model without an example: MLflow warns it has no
+    signature, which the flow has said in its own words)."""
+    import logging
+
+    if name is None:
+        yield
+        return
+    logger = logging.getLogger(name)
+    level, logger.level = logger.level, logging.ERROR
+    try:
+        yield
+    finally:
+        logger.level = level
 
 
 @contextmanager
@@ -107,7 +127,8 @@ def register_model(run: TrackedRun, result: dict, registered_name: str, code_roo
     # the flow: ~5 s a run on the default job (bench/NOTES.md). So the same steps with public
     # calls, without that check; tests load each registered model and predict its example.
     model = run.client.create_logged_model(run.experiment_id, name="model", source_run_id=run.run_id)
-    with failed_unless_ready(run.client, model.model_id), tempfile.TemporaryDirectory() as tmp:
+    with failed_unless_ready(run.client, model.model_id), tempfile.TemporaryDirectory() as tmp, \
+            quiet_logger("mlflow.pyfunc" if signature is None else None):  # no "Failed to infer" warning
         reference, code_paths = model_code(result["model_spec"], code_root, Path(tmp))
         reqs = model_requirements(reference, code_paths, code_root)
         mlflow.pyfunc.save_model(
