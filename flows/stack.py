@@ -216,6 +216,7 @@ def serve_stack(s: StackService) -> int:
                                        # one worker: uvicorn's --workers N socket loses TCP_NODELAY, and every
                                        # kept-alive call then waits out a delayed ACK (Kludex/uvicorn#3149)
                                        "--host", s.host, "--port", str(s.mlflow_port), "--workers", "1",
+                                       "--uvicorn-opts", "--no-access-log",  # a line per call drowned the rest
                                        *(["--allowed-hosts", s.allowed_hosts] if s.allowed_hosts else [])],
                                       env=mlflow_env(data, url, credentials), pass_fds=(lock,)))
         api, ui = f"http://{s.host}:{s.prefect_port}/api", f"http://{s.host}:{s.mlflow_port}"
