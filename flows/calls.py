@@ -5,7 +5,8 @@ deployment, or a Prefect user's own flow (`train_pipeline(...)` as a subflow).
 - Bad values are refused as one line naming each value (`InvalidParameters`, a `UserError`),
   not as pydantic's multi-line report.
 - MLflow's INFO chatter and artifact progress bars stay out unless asked for
-  (`MLFLOW_LOGGING_LEVEL`, `MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR`), as on the CLI.
+  (`MLFLOW_LOGGING_LEVEL`, `MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR`,
+  `MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT`), as on the CLI.
 - A flow run on Prefect's own temporary API (no `PREFECT_API_URL`) is told that Ctrl-C stops
   that API before the flow can record its end, and how to avoid it (`prefect_api()`).
 """
@@ -25,7 +26,8 @@ from gpuflow.tasks.failure import TrainingFailed
 from gpuflow.training.errors import UserError
 
 SHOWN = 300  # characters of a value echoed in a refusal
-QUIET = {"MLFLOW_LOGGING_LEVEL": "WARNING", "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}
+QUIET = {"MLFLOW_LOGGING_LEVEL": "WARNING", "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
+         "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true"}  # its "View run" links, on an HTTP store
 
 
 class InvalidParameters(UserError, ValueError):

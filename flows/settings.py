@@ -75,5 +75,5 @@ def server_command(s: Settings) -> list[str]:
 
 
 def ui_command(s: Settings, tracking_uri: str) -> list[str]:
-    return [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", tracking_uri,
+    return [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", tracking_uri, "--registry-store-uri", tracking_uri,
             "--host", s.mlflow_host, "--port", str(s.mlflow_port)]
