@@ -50,8 +50,8 @@ Your own torchrun script instead of gpuflow's training loop (the train-script fl
     gpuflow run --script train_ddp.py --gpus 2 -- --lr 0.01 --epochs 5
 
 Everything after -- goes to the script. `gpuflow run --script X.py --help` lists the options
-that apply then (devices, restarts, tracking, --collect); the README's "Your own torchrun
-script" says what the script gets (MLFLOW_RUN_ID, GPUFLOW_OUTPUT_DIR) and the helper.
+that apply then (devices, restarts, tracking, --collect); docs/scripts.md says what the script
+gets (MLFLOW_RUN_ID, GPUFLOW_OUTPUT_DIR) and the helper.
 """
 
 

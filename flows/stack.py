@@ -65,7 +65,7 @@ class StackService(BaseModel):
     database_url: str | None = Field(None, description="an existing PostgreSQL server, postgresql://user[:password]"
                                      "@host[:port] (default: a cluster of its own in <data>/postgres)")
     host: str = Field(LOOPBACK, description="address both servers listen on (both ask for the credentials in "
-                      "<data>/credentials.env; put a TLS proxy in front before opening it: see the README)")
+                      "<data>/credentials.env; put a TLS proxy in front before opening it: see docs/machines.md)")
     prefect_port: int = Field(4200, ge=1, le=65535, description="port of the Prefect server")
     mlflow_port: int = Field(5000, ge=1, le=65535, description="port of the MLflow tracking server")
     allowed_hosts: str | None = Field(None, description="host names clients reach the MLflow server by, when not "

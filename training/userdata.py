@@ -1,5 +1,5 @@
 """The user's own datasets: a factory `datasets(root)` named by reference, and the optional
-`prepare_data(root)` hook in its module (see README, "Your own model, data and loss")."""
+`prepare_data(root)` hook in its module (see docs/your-code.md)."""
 
 from __future__ import annotations
 
