@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
@@ -54,12 +55,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _healthy(url: str) -> bool:
+def http_status(url: str, authorization: str | None = None, timeout: float = 2) -> int | None:
+    """The HTTP status of a GET of `url` (with that Authorization header); None while nothing
+    answers. How gpuflow sees that a server it started is up: the temporary API, the stack."""
+    headers = {"Authorization": authorization} if authorization else {}
     try:
-        with urllib.request.urlopen(url + "/health", timeout=2) as r:
-            return r.status == 200
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
     except OSError:
-        return False
+        return None
 
 
 def _lock_path() -> Path:
@@ -141,7 +147,7 @@ def _start_server() -> str:
 def wait_until_up(server: subprocess.Popen, url: str, log: IO[str] | None = None) -> None:
     """Returns once the server at url answers (its migrations done); raises if it exits or is late."""
     deadline = time.monotonic() + startup_timeout()
-    while not _healthy(url):
+    while http_status(url + "/health") != 200:
         if server.poll() is not None:
             raise RuntimeError(f"the Prefect API exited ({server.returncode}): {_tail(log)}")
         if time.monotonic() > deadline:

@@ -34,9 +34,7 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from pathlib import Path
 
 from pydantic import BaseModel, Field
@@ -44,7 +42,7 @@ from pydantic import BaseModel, Field
 from gpuflow.training.errors import UserError
 from gpuflow.training.reaper import start_supervised, stop_supervised
 
-from .api import server_environment
+from .api import http_status, server_environment
 from .credentials import FILE as CREDENTIALS_FILE
 from .credentials import Credentials, stack_credentials, write_private
 from .postgres import Cluster, create_databases, database, run
@@ -146,24 +144,12 @@ def publish_study_storage(api: str, url: str, credentials: Credentials) -> None:
         Variable.set(STUDY_VARIABLE, url, overwrite=True)
 
 
-def status(url: str, authorization: str) -> int | None:
-    """The HTTP status of a GET of `url` with that Authorization header; None while nothing answers."""
-    try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers={"Authorization": authorization}),
-                                    timeout=5) as r:
-            return r.status
-    except urllib.error.HTTPError as e:
-        return e.code
-    except OSError:
-        return None
-
-
 def wait_for_servers(checks: dict[str, tuple[str, str]], procs: list[subprocess.Popen], stop: dict,
                      credentials_file: Path) -> None:
     """Until each server answers an authenticated request (health checks need none, so prove nothing)."""
     deadline = time.monotonic() + READY_S
     while True:
-        codes = {name: status(url, auth) for name, (url, auth) in checks.items()}
+        codes = {name: http_status(url, auth, timeout=5) for name, (url, auth) in checks.items()}
         if all(code == 200 for code in codes.values()):
             return
         refused = [name for name, code in codes.items() if code in (401, 403)]
