@@ -67,7 +67,8 @@ def run_job(launcher, where: Placement | None = None) -> dict:
                 where.on_run(run)
             how = Launch(log_params=where.node is None or where.node.index == 0, retries=where.node is None,
                          rdzv=rdzv, node=where.node and where.node.name, on_metrics=where.on_metrics,
-                         metric=where.metric, stop=where.stop, cwd=where.cwd(run) if where.cwd else None)
+                         metric=where.metric, stop=where.stop, cwd=where.cwd(run) if where.cwd else None,
+                         upload_checkpoints=bool(where.node and where.node.keep_all))
             outcome: Outcome = launcher.launch(s, run, RunFolder(run.workdir), how)
             if outcome.stopped:
                 if where.on_stopped:
@@ -112,7 +113,7 @@ def job_run(s: Session, launcher, where: Placement, dataset: dict | None) -> Ite
 
 def attach(s: Session, p, job: NodeJob) -> tracked.TrackedRun:
     """The parent's MLflow run, for this node to log into, with this node's environment and plan."""
-    run = tracked.attached_run(p.tracking_uri, job.run_id, RunFolder.of(p.runs_dir, job.run_id, job.name).root)
+    run = tracked.attached_run(p.tracking_uri, job.run_id, RunFolder.of(p.runs_dir, job.run_id, job.folder_name).root)
     s.name = run.client.get_run(job.run_id).info.run_name
     run.log_json(s.report.model_dump(mode="json"), "environment_report.json", f"environment/{job.name}")
     run.log_json(s.plan.model_dump(mode="json"), "device_plan.json", f"environment/{job.name}")

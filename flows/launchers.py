@@ -72,6 +72,7 @@ class Launch:
     metric: str | None = None  # the metric it wants: a script may log it itself, so it is read from the run
     stop: threading.Event | None = None
     cwd: Path | None = None
+    upload_checkpoints: bool = False  # each epoch's, to the run, before its metrics: a replacement resumes from it
 
 
 class Worker:
@@ -96,7 +97,8 @@ class Worker:
             run.log_params(p.run_params(config, s.plan))
         launch = launch_training.with_options(retries=p.launch_retries if how.retries else 0,
                                               retry_condition_fn=retry_unless_it_repeats)
-        with s.timer("launch"), run.relaying_metrics(how.on_metrics) if run else nullcontext():
+        uploads = folder.checkpoints if how.upload_checkpoints else None
+        with s.timer("launch"), run.relaying_metrics(how.on_metrics, uploads) if run else nullcontext():
             result = launch(config.to_json(folder.config), s.plan, p, p, folder.root,
                             run.metrics_file if run else None, s.cards, how.rdzv, how.stop)
         return Outcome(result, rank0=result.get("rank0", True), stopped=result.get("stopped", False))

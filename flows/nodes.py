@@ -31,6 +31,8 @@ from prefect.runtime import flow_run
 from prefect.variables import Variable
 
 from gpuflow.tasks.launch import TrainingFailed
+from gpuflow.tasks.tracking.store import prepare_store
+from gpuflow.training.contract import RunFolder
 from gpuflow.training.uris import absolute_uri
 from gpuflow.training.errors import UserError
 
@@ -40,11 +42,8 @@ from .launchers import Script, Worker
 from .calls import flat_parameters
 from .params import PipelineParams, ScriptParams
 from .rendezvous import POLL_S, NodeFailed, NodeJob, in_node_folder, node_name, variable
+from .watch import watch
 from .session import current_name
-CANCEL_GRACE_S = 10.0  # a node's machine answers a cancellation within it, or is taken for gone
-DONE = {"COMPLETED"}
-ENDED = {"FAILED", "CRASHED", "CANCELLED", "CANCELLING"}
-WAITING = {"SCHEDULED", "PENDING", "LATE", "AWAITINGRETRY", "PAUSED"}
 
 
 class NodeParams(PipelineParams):
@@ -57,52 +56,96 @@ class NodeParams(PipelineParams):
 
 
 def place(launcher) -> dict:
-    """The parent's part of a run with nodes > 1: machines picked, one MLflow run, the nodes
-    started and watched until every one has ended; rank 0's node's result, read from the run."""
+    """The parent's part of a run with nodes > 1: machines picked, one MLflow run, the nodes started
+    and watched until every one has ended; rank 0's node's result, read from the run. A machine lost
+    (up to max_node_failures) is replaced by a spare of the pool: every node of the new round resumes
+    from the checkpoint of the run's last logged epoch, in the same run."""
     params, log = launcher.params, get_run_logger()
-    machines = ready_queues(params.node_pool, params.nodes)
     job = flow_run.get_id() or os.urandom(8).hex()
     name = current_name(params.run_name, launcher.stem)
-    tags = {**launcher.tags, "nodes": params.nodes, "machines": ",".join(machines)}
-    try:
-        with parent_run(params, name, tags) as run:
-            log.info("placing %d nodes of run %s on %s (max_restarts and launch_retries apply on one machine: "
-                     "a node lost fails the run)", params.nodes, name, ", ".join(machines))
-            if params.tracking_uri.startswith("sqlite:"):
-                log.warning("every node logs into %s: each machine must reach that file (a shared filesystem); "
-                            "the team stack's tracking server needs none (gpuflow stack)", params.tracking_uri)
-            children = {m: start_node(params, NodeJob(id=str(job), index=i, name=m, run_id=run.run_id),
-                                      launcher.node_flow) for i, m in enumerate(machines)}
-            watch(children, params.rdzv_timeout_s)
+    lost: list[tuple[str, str]] = []  # (machine, why)
+    resume = epoch = None
+    with parent_run(params, name, {**launcher.tags, "nodes": params.nodes}) as run:
+        if params.tracking_uri.startswith("sqlite:"):
+            log.warning("every node logs into %s: each machine must reach that file (a shared filesystem); "
+                        "the team stack's tracking server needs none (gpuflow stack)", params.tracking_uri)
+        while True:
+            machines = ready_queues(params.node_pool, params.nodes, [m for m, _ in lost],
+                                    params.rdzv_timeout_s if lost else 0, lost)
+            round_id = f"{job}-r{len(lost)}" if lost else str(job)
+            run.client.set_tag(run.run_id, "machines", ",".join(machines))
+            if lost:
+                run.client.set_tag(run.run_id, f"node_replacement.{len(lost)}",
+                                   f"lost {lost[-1][0]} ({lost[-1][1][:300]}); now on {', '.join(machines)}; "
+                                   f"resumed after epoch {epoch}")
+            log.info("placing %d nodes of run %s on %s (%s)", params.nodes, name, ", ".join(machines),
+                     f"{params.max_node_failures - len(lost)} more machine(s) may be replaced"
+                     if params.max_node_failures else "a node lost fails the run")
             try:
-                with tempfile.TemporaryDirectory() as d:
-                    result = json.loads(Path(run.client.download_artifacts(run.run_id, str(PLACED_RESULT), d))
-                                        .read_text())
-            except Exception as e:  # noqa: BLE001 - any store's "not there"
-                raise TrainingFailed("every node finished but none logged global rank 0's result "
-                                     f"({PLACED_RESULT}: {one_line(e)})") from None
-    finally:
-        Variable.unset(variable("rdzv", str(job)))
-    return {**result, "run_id": run.run_id, "status": "FINISHED"}
+                watch({m: start_node(params, NodeJob(id=round_id, index=i, name=m, run_id=run.run_id, round=len(lost),
+                                                     resume=resume, keep_all=params.max_node_failures > 0),
+                                     launcher.node_flow) for i, m in enumerate(machines)}, params.rdzv_timeout_s)
+                break
+            except NodeFailed as e:
+                if len(lost) >= params.max_node_failures or e.node is None:
+                    raise
+                lost.append((e.node, str(e).splitlines()[0]))
+                resume, epoch = last_checkpoint(run)
+                run.log_metrics({"node_replacements": len(lost)})
+                log.warning("%s; replacing it (%d of %d), resuming after epoch %s", str(e).splitlines()[0],
+                            len(lost), params.max_node_failures, epoch)
+            finally:
+                Variable.unset(variable("rdzv", round_id))
+        try:
+            with tempfile.TemporaryDirectory() as d:
+                result = json.loads(Path(run.client.download_artifacts(run.run_id, str(PLACED_RESULT), d)).read_text())
+        except Exception as e:  # noqa: BLE001 - any store's "not there"
+            raise TrainingFailed("every node finished but none logged global rank 0's result "
+                                 f"({PLACED_RESULT}: {one_line(e)})") from None
+    return {**result, "run_id": run.run_id, "status": "FINISHED", "node_replacements": len(lost)}
 
 
-def ready_queues(pool: str, count: int) -> list[str]:
-    """`count` machines of the pool whose queue a worker polled in the last minute, by name."""
+def last_checkpoint(run) -> tuple[str | None, int | None]:
+    """The run's checkpoint of its last logged epoch (the relay uploads an epoch's checkpoint before
+    its metrics): (its artifact path, the epoch); (None, None) before the first epoch ended."""
+    logged = [m.step for m in run.client.get_metric_history(run.run_id, "train_loss")]
+    if not logged:
+        return None, None
+    epoch = max(logged)
+    path = f"checkpoints/epoch-{epoch:04d}.pt"
+    if path not in {f.path for f in run.client.list_artifacts(run.run_id, "checkpoints")}:
+        raise TrainingFailed(f"epoch {epoch} was logged but the run holds no {path} to resume from")
+    return path, epoch
+
+
+def ready_queues(pool: str, count: int, exclude: list[str] = (), wait_s: float = 0, lost=()) -> list[str]:
+    """`count` machines of the pool whose queue a worker polled in the last minute, by name, none of
+    `exclude`; waiting up to `wait_s` for them (a spare for a lost machine)."""
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
 
+    deadline = time.monotonic() + wait_s
     with get_client(sync_client=True) as client:
-        try:
-            queues = client.read_work_queues(work_pool_name=pool)
-        except ObjectNotFound:
-            raise UserError(f"node_pool {pool!r} does not exist on this Prefect server; run `gpuflow node "
-                            f"--pool {pool}` on each machine first") from None
-    ready = sorted(q.name for q in queues if q.name != "default" and q.status and q.status.value == "READY")
-    if len(ready) < count:
-        raise UserError(f"nodes={count} but node_pool {pool!r} has {len(ready)} machine(s) with a worker "
-                        f"online ({', '.join(ready) or 'none'}); start `gpuflow node --pool {pool}` on more "
-                        "machines, or lower nodes")
-    return ready[:count]
+        while True:
+            try:
+                queues = client.read_work_queues(work_pool_name=pool)
+            except ObjectNotFound:
+                raise UserError(f"node_pool {pool!r} does not exist on this Prefect server; run `gpuflow node "
+                                f"--pool {pool}` on each machine first") from None
+            ready = sorted(q.name for q in queues if q.name not in ("default", *exclude)
+                           and q.status and q.status.value == "READY")
+            if len(ready) >= count:
+                return ready[:count]
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(POLL_S)
+    if lost:
+        raise NodeFailed(f"node {lost[-1][0]} failed ({lost[-1][1]}) and no spare machine of node_pool {pool!r} came "
+                         f"within {wait_s:g} s (online: {', '.join(ready) or 'none'}; lost: "
+                         f"{', '.join(m for m, _ in lost)})")
+    raise UserError(f"nodes={count} but node_pool {pool!r} has {len(ready)} machine(s) with a worker "
+                    f"online ({', '.join(ready) or 'none'}); start `gpuflow node --pool {pool}` on more "
+                    "machines, or lower nodes")
 
 
 def start_node(params, job: NodeJob, flow_name: str):
@@ -118,100 +161,6 @@ def start_node(params, job: NodeJob, flow_name: str):
                           flow_run_name=f"{job.name}-{job.id[:8]}")
 
 
-def watch(children: dict, start_timeout_s: float) -> None:
-    """Until every node has COMPLETED: their logs relayed with the node's name; a node that fails, or
-    has not started within `start_timeout_s`, cancels the others and fails the run naming it."""
-    from prefect.client.orchestration import get_client
-
-    log, started, seen = get_run_logger(), time.monotonic(), set()
-    with get_client(sync_client=True) as client:
-        try:
-            while True:
-                runs = {m: client.read_flow_run(r.id) for m, r in children.items()}
-                relay_logs(client, runs, seen, log)
-                states = {m: r.state.type.value if r.state else "SCHEDULED" for m, r in runs.items()}
-                if all(s in DONE for s in states.values()):
-                    return
-                if any(s in ENDED for s in states.values()):
-                    break
-                late = [m for m, s in states.items() if s in WAITING]
-                if late and time.monotonic() - started > start_timeout_s:
-                    raise NodeFailed(f"node {late[0]} did not start within {start_timeout_s:g} s: no worker took "
-                                     f"its queue; run `gpuflow node` on that machine, or pick other nodes")
-                time.sleep(POLL_S)
-        except BaseException:
-            cancel(client, children)
-            raise
-        polled = last_polls(client, runs)
-        left_open = cancel(client, children)
-        silent = [m for m in left_open if m in polled and last_polls(client, {m: runs[m]}).get(m) == polled[m]]
-        raise NodeFailed(node_failure(runs, states, silent))
-
-
-def last_polls(client, runs: dict) -> dict:
-    """When each node's worker last polled its machine's queue (a node whose queue is gone: left out)."""
-    from prefect.exceptions import ObjectNotFound
-
-    polls = {}
-    for m, r in runs.items():
-        try:
-            polls[m] = client.read_work_queue_by_name(r.work_queue_name, work_pool_name=r.work_pool_name).last_polled
-        except ObjectNotFound:
-            pass
-    return polls
-
-
-def node_failure(runs: dict, states: dict, silent: list[str]) -> str:
-    """One line naming the node whose failure the others followed: one whose machine went silent (its
-    run left open, its worker no longer polling), else the first to end; then the others' states."""
-    if silent:
-        m = silent[0]
-        why = ("its machine stopped answering: its run never ended, its worker stopped polling and nobody "
-               "answered the cancellation (the machine, or its `gpuflow node`, is gone)")
-    else:
-        m = min((o for o, s in states.items() if s in ENDED), key=lambda o: runs[o].state.timestamp)
-        why = (runs[m].state.message or states[m]).splitlines()[0]
-    others = ", ".join(f"{o} {s.lower()}" for o, s in states.items() if o != m)
-    return f"node {m} failed: {why} (other nodes: {others})"
-
-
-def relay_logs(client, runs: dict, seen: set, log) -> None:
-    """Each node's new log lines, in order, in the parent's log with the node's name in front."""
-    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
-    from prefect.client.schemas.sorting import LogSort
-
-    by_id = {r.id: m for m, r in runs.items()}
-    while True:
-        page = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=list(by_id))), offset=len(seen),
-                                limit=200, sort=LogSort.TIMESTAMP_ASC)
-        for line in page:
-            if line.id not in seen:
-                seen.add(line.id)
-                log.info("[%s] %s", by_id.get(line.flow_run_id, "?"), line.message)
-        if len(page) < 200:
-            return
-
-
-def cancel(client, runs: dict) -> list[str]:
-    """Cancel every node not yet ended: its worker stops the processes. A node whose machine is gone
-    has no worker left to do so: after the grace its run is marked Cancelled, so none stays open.
-    Returns those nodes."""
-    from prefect.states import Cancelled, Cancelling
-
-    def open_runs():
-        return [m for m, r in runs.items() if not (client.read_flow_run(r.id).state or Cancelling()).is_final()]
-
-    for m in open_runs():
-        client.set_flow_run_state(runs[m].id, Cancelling(message="another node of the run failed"), force=True)
-    deadline = time.monotonic() + CANCEL_GRACE_S
-    while (left := open_runs()) and time.monotonic() < deadline:
-        time.sleep(POLL_S)
-    for m in left:
-        client.set_flow_run_state(runs[m].id, Cancelled(message="its machine did not answer the cancellation"),
-                                  force=True)
-    return left
-
-
 # --- the nodes ----------------------------------------------------------------------------
 
 
@@ -219,8 +168,17 @@ def cancel(client, runs: dict) -> list[str]:
 @in_node_folder
 @flat_parameters(NodeParams)
 def train_node(params: NodeParams) -> dict:
-    """One machine's part of a placed run (started by the parent flow, never by hand)."""
-    return run_job(Worker(params), Placement(node=params.job))
+    """One machine's part of a placed run (started by the parent flow, never by hand). Where machines
+    may be replaced, every epoch's checkpoint is kept (and uploaded to the run); a replacement round
+    resumes from the run's checkpoint the parent names."""
+    job, update = params.job, {}
+    if job.keep_all:
+        update["keep_checkpoints"] = params.epochs
+    if job.resume:
+        folder = RunFolder.of(params.runs_dir, job.run_id, job.folder_name).root / "resume"
+        folder.mkdir(parents=True, exist_ok=True)
+        update["resume"] = prepare_store(params.tracking_uri).download_artifacts(job.run_id, job.resume, str(folder))
+    return run_job(Worker(params.model_copy(update=update)), Placement(node=job))
 
 
 class ScriptNodeParams(ScriptParams):

@@ -31,10 +31,23 @@ class NodeJob(BaseModel):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$",
                       description="the machine's queue in the node pool; names the node in logs and artifacts")
     run_id: str = Field(pattern=r"^[0-9a-f]{32}$", description="the parent's MLflow run, which every node attaches to")
+    round: int = Field(0, ge=0, le=100, description="how many machines were replaced before this node started")
+    resume: str | None = Field(None, pattern=r"^checkpoints/epoch-[0-9]{4,8}\.pt$",
+                               description="the run's checkpoint artifact every node resumes from (a replacement)")
+    keep_all: bool = Field(False, description="keep and upload every epoch's checkpoint (replacements allowed)")
+
+    @property
+    def folder_name(self) -> str:
+        """This node's folder in runs_dir, new for each round: a replacement never resumes from leftovers."""
+        return f"{self.name}-r{self.round}" if self.round else self.name
 
 
 class NodeFailed(TrainingFailed):
-    """A node of a placed run failed or never started."""
+    """A node of a placed run failed or never started (`node`: the machine, when one is to blame)."""
+
+    def __init__(self, message: str, node: str | None = None):
+        super().__init__(message)
+        self.node = node
 
 
 def variable(kind: str, job_id: str) -> str:

@@ -54,6 +54,16 @@ class Placement(BaseModel):
                            description="the Prefect work pool whose queues are the machines (nodes > 1)")
     rdzv_timeout_s: int = Field(300, ge=10, le=86_400, description="fail when not every node arrives (or, "
                                 "placed, starts) in time")
+    max_node_failures: int = Field(0, ge=0, le=100, description="placed runs (nodes > 1) of gpuflow's worker: "
+                                   "machines that may be lost and replaced by a spare of the pool, the run resuming "
+                                   "from its last checkpoint in the same MLflow run; 0: a node lost fails the run")
+
+    @model_validator(mode="after")
+    def _replaceable(self) -> "Placement":
+        if self.max_node_failures and self.nodes < 2:
+            raise ValueError(f"max_node_failures={self.max_node_failures} replaces machines of a run placed on "
+                             "several (nodes > 1); drop it, or set nodes")
+        return self
 
 
 class Nodes(Placement):

@@ -87,13 +87,14 @@ class MetricsRelay(threading.Thread):
     """
 
     def __init__(self, client: MlflowClient, run_id: str, path: Path, interval: float | None = None,
-                 on_metrics: Callable[[int, dict], None] | None = None):
+                 on_metrics: Callable[[int, dict], None] | None = None, checkpoints: Path | None = None):
         super().__init__(name="gpuflow-metrics-relay", daemon=True)
         interval = interval if interval is not None else (0.05 if on_metrics else 0.5)
         self.client, self.run_id, self.path, self.interval = client, run_id, path, interval
         self.offset = path.stat().st_size if path.exists() else 0  # this run's lines only
         self.logged = 0
         self.on_metrics = on_metrics
+        self.checkpoints, self.uploaded = checkpoints, set()
         self._halt = threading.Event()
 
     def run(self) -> None:
@@ -112,6 +113,7 @@ class MetricsRelay(threading.Thread):
             return
         complete = data[:data.rfind(b"\n") + 1]
         self.offset += len(complete)
+        self._upload_checkpoints()  # after reading the lines: each epoch read has its checkpoint written
         lines = []
         for line in complete.splitlines():
             try:
@@ -132,6 +134,19 @@ class MetricsRelay(threading.Thread):
         except Exception as e:  # noqa: BLE001 - the run goes on; the loss is said
             print(f"gpuflow: could not log {len(lines)} metrics line(s) (steps {lines[0][0]}-{lines[-1][0]}): "
                   f"{type(e).__name__}: {e}", flush=True)
+
+    def _upload_checkpoints(self) -> None:
+        """Every complete epoch checkpoint not uploaded yet, to the run's checkpoints/ (a placed run
+        that may replace a machine): the metrics logged after are of epochs a replacement can resume."""
+        if self.checkpoints is None or not self.checkpoints.is_dir():
+            return
+        for p in sorted(self.checkpoints.glob("epoch-*.pt")):  # a write in progress is a hidden .tmp
+            if p.name not in self.uploaded:
+                try:
+                    self.client.log_artifact(self.run_id, str(p), "checkpoints")
+                    self.uploaded.add(p.name)
+                except Exception as e:  # noqa: BLE001 - the run goes on; a replacement resumes from an older one
+                    print(f"gpuflow: could not upload {p.name}: {type(e).__name__}: {e}", flush=True)
 
     def finish(self) -> int:
         """Stop after logging everything in the file now; returns the lines logged."""
@@ -172,9 +187,12 @@ class TrackedRun:
             self.client.log_artifact(self.run_id, str(p), folder)
 
     @contextmanager
-    def relaying_metrics(self, on_metrics: Callable[[int, dict], None] | None = None) -> Iterator[MetricsRelay]:
-        """Relay rank 0's metrics file to the run for the duration of the block."""
-        relay = MetricsRelay(self.client, self.run_id, self.metrics_file, on_metrics=on_metrics)
+    def relaying_metrics(self, on_metrics: Callable[[int, dict], None] | None = None,
+                         checkpoints: Path | None = None) -> Iterator[MetricsRelay]:
+        """Relay rank 0's metrics file to the run for the duration of the block (and, given, the
+        checkpoints folder's new epochs, each before its metrics)."""
+        relay = MetricsRelay(self.client, self.run_id, self.metrics_file, on_metrics=on_metrics,
+                             checkpoints=checkpoints)
         relay.start()
         try:
             yield relay
