@@ -1,0 +1,74 @@
+"""A placed run that loses a machine (issue #36): three machines on this host as network namespaces
+(tests/netns.py), `gpuflow run --nodes 2 --max-node-failures 1`; one machine's ranks, or the whole
+machine, killed mid-run; the spare takes its place and the run resumes in the same MLflow run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import mlflow
+import pytest
+
+from tests.netns import two_nodes
+from tests.test_nodes import finished, gpuflow
+
+pytestmark = pytest.mark.slow
+
+JOB = ["--gpus", "cpu", "--cpu-processes", "1", "--nodes", "2", "--max-node-failures", "1",
+       "--dataset", "synthetic", "--synthetic-size", "20000", "--epochs", "6", "--seed", "3"]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with two_nodes(tmp_path_factory.mktemp("failover"), names=("node-a", "node-b", "node-c"), gpuflow_node=True,
+                   GPUFLOW_ALLOW_PATHS=str(tmp_path_factory.getbasetemp())) as c:
+        yield c
+
+
+def _epochs(client, name: str) -> list[int]:
+    exp = client.get_experiment_by_name("gpuflow")
+    runs = client.search_runs(exp.experiment_id, f"tags.`mlflow.runName` = '{name}'") if exp else []
+    return [m.step for m in client.get_metric_history(runs[0].info.run_id, "train_loss")] if runs else []
+
+
+def _kill_ranks(node) -> None:
+    """torchrun and the rank of one machine, SIGKILL; its `gpuflow node` stays."""
+    for pid in node.pids():
+        try:
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read()
+        except OSError:
+            continue
+        if b"torch.distributed.run" in cmd or b"gpuflow.training" in cmd and b"--config" in cmd:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.mark.parametrize("lose", ["the ranks of node-b", "node-a, node 0, whole"])
+def test_a_lost_machine_is_replaced_by_the_spare_and_the_run_resumes_in_the_same_mlflow_run(cluster, tmp_path, lose):
+    name = "failover-" + lose.split()[-1]
+    proc = gpuflow(cluster, tmp_path, *JOB, "--node-pool", cluster.pool, "--run-name", name)
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    deadline = time.monotonic() + 300
+    while not _epochs(client, name):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-4000:]
+        time.sleep(0.5)
+    if lose.startswith("the ranks"):
+        _kill_ranks(cluster.node("node-b"))
+    else:
+        cluster.kill_node("node-a")  # its worker too: the machine stops answering
+    code, out, err = finished(proc, timeout=480)
+    assert code == 0, err[-5000:]
+    run = client.get_run(out["run_id"])
+    assert run.info.status == "FINISHED" and out["node_replacements"] == 1
+    assert run.data.metrics["node_replacements"] == 1
+    assert _epochs(client, name) == [1, 2, 3, 4, 5, 6]  # each epoch once: the new round resumed, not restarted
+    told = run.data.tags["node_replacement.1"]
+    resumed = int(told.rsplit("resumed after epoch ", 1)[1])
+    assert told.startswith("lost node-") and 1 <= resumed < 6, told
+    assert "node-c" in run.data.tags["machines"], run.data.tags  # the spare took a place
+    assert out["model_version"] and client.get_model_version("gpuflow-model", out["model_version"]).run_id \
+        == run.info.run_id  # registered from the same run
