@@ -65,7 +65,8 @@ def run_job(launcher, where: Placement | None = None) -> dict:
                 return {"node_rank": p.node_rank, "rank0": False, "result": outcome.result, "timings": s.timer.seconds}
             if where.on_run:
                 where.on_run(run)
-            how = Launch(log_params=where.node is None or where.node.index == 0, retries=where.node is None,
+            first = where.node is None or (where.node.index == 0 and where.node.round == 0)  # a run's params once
+            how = Launch(log_params=first, retries=where.node is None,
                          rdzv=rdzv, node=where.node and where.node.name, on_metrics=where.on_metrics,
                          metric=where.metric, stop=where.stop, cwd=where.cwd(run) if where.cwd else None,
                          upload_checkpoints=bool(where.node and where.node.keep_all))
