@@ -175,7 +175,7 @@ def load(command: str, model: type[BaseModel]) -> typing.Callable[[dict], dict]:
 
         def run(values: dict) -> dict:
             out = train_pipeline(**values)
-            return {k: out.get(k) for k in RUN_RESULT}
+            return {k: out.get(k) for k in RUN_RESULT} | {k: out[k] for k in ("node_replacements",) if k in out}
 
         return run
     if command == "sweep":
