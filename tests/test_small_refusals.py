@@ -1,6 +1,6 @@
 """Small refusals and failure lines (issue 33, item 8): each one line, naming the value or the culprit,
 and nothing run that should not be: a sweep asking for GPUs on a host without any (flows/trial.py),
-the node named when a placed run's machine dies (flows/nodes.py), a truncated checkpoint
+the node named when a placed run's machine dies (flows/watch.py), a truncated checkpoint
 (training/checkpoint.py)."""
 
 from __future__ import annotations
@@ -86,14 +86,14 @@ def watched(monkeypatch, cluster: Cluster) -> str:
     """The line `watch` fails the run with."""
     import prefect.client.orchestration
 
-    from gpuflow.flows import nodes
+    from gpuflow.flows import watch
 
-    monkeypatch.setattr(nodes, "POLL_S", 0.01)
-    monkeypatch.setattr(nodes, "CANCEL_GRACE_S", 0.5, raising=False)
-    monkeypatch.setattr(nodes, "get_run_logger", lambda: logging.getLogger("parent"))
+    monkeypatch.setattr(watch, "POLL_S", 0.01)
+    monkeypatch.setattr(watch, "CANCEL_GRACE_S", 0.5)
+    monkeypatch.setattr(watch, "get_run_logger", lambda: logging.getLogger("parent"))
     monkeypatch.setattr(prefect.client.orchestration, "get_client", lambda sync_client: cluster)
-    with pytest.raises(nodes.NodeFailed) as failed:
-        nodes.watch(dict(cluster.runs), 60)
+    with pytest.raises(watch.NodeFailed) as failed:
+        watch.watch(dict(cluster.runs), 60)
     return str(failed.value)
 
 
