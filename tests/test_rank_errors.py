@@ -90,7 +90,7 @@ def test_a_rank_killed_by_a_signal_names_the_rank_and_the_signal(tmp_path, api_u
 
 
 def test_a_worker_killed_by_a_signal_is_named_from_its_exit_code():
-    from gpuflow.tasks.launch import killed
+    from gpuflow.tasks.failure import killed
 
     assert killed(128 + 9, ["no summary"]).startswith("the process was killed by SIGKILL")
     assert killed(128 + 15, []) == "the process was killed by SIGTERM"
