@@ -129,7 +129,7 @@ def test_predict_takes_named_int64_inputs_and_returns_a_dict_in_a_process_withou
         assert sorted(out) == ["logits"] and out["logits"].dtype == np.float32, out
         assert out["logits"].shape == (5, 3), out["logits"].shape
         assert model.predict(model.input_example)["logits"].shape == (2, 3)
-        longer = {k: np.concatenate([v, v[:, :3]], axis=1) for k, v in batch.items()}  # another sequence length
+        longer = {{k: np.concatenate([v, v[:, :3]], axis=1) for k, v in batch.items()}}  # another length
         assert model.predict(longer)["logits"].shape == (5, 3)
         np.save({str(base / "logits.npy")!r}, out["logits"])
         print("predicted")
