@@ -163,7 +163,10 @@ def run_trial(t: Trial, params: SweepParams, parent_id: str, metric: str, study_
         launcher = Worker(PipelineParams.model_validate(with_values(params.pipeline(), t.values) | slot))
         cwd = None
 
+    runs: list[tracked.TrackedRun] = []  # the trial's, once open: its client reads what a script logged
+
     def opened(run: tracked.TrackedRun) -> None:
+        runs.append(run)
         t.run_id = run.run_id
         t.trial.set_user_attr("mlflow_run_id", run.run_id)
 
@@ -181,19 +184,13 @@ def run_trial(t: Trial, params: SweepParams, parent_id: str, metric: str, study_
     if done.get("stopped"):
         return None
     t.result = done
-    final = done.get("final_metrics") or logged_metrics(done["run_id"], params)
+    # a script's metrics as the run has them (it may log them itself)
+    final = done.get("final_metrics") or runs[0].client.get_run(done["run_id"]).data.metrics
     if metric not in final:
         raise SweepError(f"optimize={metric!r}: the trial logged no such metric (it logged "
                          f"{', '.join(sorted(final)) or 'none'}); report it with helper.report or "
                          "mlflow.log_metric, or optimize one of those")
     return float(final[metric])
-
-
-def logged_metrics(run_id: str, params: SweepParams) -> dict:
-    """A script's metrics as the run has them (it may log them itself)."""
-    from gpuflow.tasks.tracking.store import prepare_store
-
-    return prepare_store(params.tracking_uri).get_run(run_id).data.metrics
 
 
 CHECKPOINT_SUFFIXES = (".pt", ".pth", ".ckpt", ".safetensors")

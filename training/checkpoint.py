@@ -208,11 +208,12 @@ class CheckpointStore:
     def retain(self, newest: int, history: list[dict], key: str, mode: str) -> None:
         """Delete every epoch's checkpoint but the `newest` and the best by `key` in `history`
         (`mode`: training/judged.py): a run's disk stays bounded, resume and the best stay."""
-        keep = set(self.epochs()[-newest:])
+        epochs = self.epochs()
+        keep = set(epochs[-newest:])
         scored = [h for h in history if isinstance(h.get(key), float)]
         if scored:
             keep.add((max if mode == "max" else min)(scored, key=lambda h: h[key])["epoch"])
-        for epoch in self.epochs():
+        for epoch in epochs:
             if epoch not in keep:
                 self.path_for(epoch).unlink(missing_ok=True)
 
