@@ -13,11 +13,13 @@ deployment, or a Prefect user's own flow (`train_pipeline(...)` as a subflow).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import inspect
 import logging
 import os
 import sys
-from typing import Annotated, Any, Callable
+from typing import Annotated, Any, Callable, Iterator
 
 import annotated_types
 from pydantic import BaseModel, ValidationError
@@ -102,14 +104,35 @@ def warn_on_prefects_temporary_api() -> None:
               "PREFECT_API_URL to a server", file=sys.stderr, flush=True)
 
 
+# Parameters a caller validated already (the CLI before any server starts, retrain for its
+# training), which the flow it calls next takes as they are: validated once.
+_VALIDATED: contextvars.ContextVar[BaseModel | None] = contextvars.ContextVar("gpuflow_validated", default=None)
+
+
+@contextlib.contextmanager
+def validated_once(params: BaseModel) -> Iterator[None]:
+    """The next flow entered in this block with `params`' model takes `params` without validating
+    its values again (the caller passes the same values)."""
+    token = _VALIDATED.set(params)
+    try:
+        yield
+    finally:
+        _VALIDATED.reset(token)
+
+
 def entered(model: type[BaseModel], values: dict) -> BaseModel:
     """A flow's first step: in a served run, the operator's door (flows/allow.py) on the values as
-    sent, before validation reads a file or imports code; then its parameters validated, and the
-    same defaults for every caller."""
+    sent, before validation reads a file or imports code; then its parameters validated (or taken
+    from `validated_once`), and the same defaults for every caller."""
     from .allow import check_allowed
 
     check_allowed(values)
-    params = validated(model, values)
+    given = _VALIDATED.get()
+    if type(given) is model:
+        _VALIDATED.set(None)  # once: a flow this one calls validates its own values
+        params = given
+    else:
+        params = validated(model, values)
     quiet_libraries()
     warn_on_prefects_temporary_api()
     return params

@@ -34,7 +34,7 @@ from gpuflow.training.lifetime import exit_on_sigterm
 from gpuflow.training.refs import check_references
 
 from .api import STARTUP_TIMEOUT_DEFAULT_S, STARTUP_TIMEOUT_ENV, prefect_api, server_environment
-from .calls import one_line, quiet_libraries, report_user_errors_once
+from .calls import one_line, quiet_libraries, report_user_errors_once, validated_once
 from .options import add_model, rest_field
 
 from .params import EvaluateParams, InferParams, PipelineParams, ScriptParams, SweepParams
@@ -211,6 +211,10 @@ def main(argv: list[str] | None = None) -> int:
             print(report.model_dump_json(indent=2)) if values["json"] else print_report(report)
             return 0
         checked = model(**values)  # refuse bad values before Prefect or torch start
+        if command in ("run", "sweep") and getattr(checked, "nodes", 1) <= 1:  # placed: each node checks its own
+            from gpuflow.tasks.devices.assign import check_host
+
+            check_host(checked)
         if command in SERVICES:
             imports_done()
             return run_service(command, checked)
@@ -228,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
                 out = job(values)
             else:
                 report_user_errors_once()
-                with prefect_api():
+                with prefect_api(), validated_once(checked):
                     out = job(values)
     except (UserError, ValidationError) as e:
         print(f"gpuflow {command}: {one_line(e)}", file=sys.stderr)

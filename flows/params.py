@@ -18,7 +18,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from gpuflow.tasks.devices.assign import DevicePlan, Devices, check_cores, explicit_ids, one_device
+from gpuflow.tasks.devices.assign import DevicePlan, Devices, explicit_ids, one_device
 from gpuflow.tasks.data import DatasetInfo
 from gpuflow.tasks.launch import Launch, Nodes, Placement, ScriptArgs, ScriptFile
 from gpuflow.tasks.scriptout import Collect
@@ -119,14 +119,6 @@ class PipelineParams(Tracking, Nodes, Launch, Devices, Training):
             raise ValueError(f"{machines} nodes need strategy 'ddp' (or 'auto'), not {self.strategy!r}")
         if machines > 1:
             self.strategy = "ddp"  # one process per node is still DDP
-        check_cores("num_workers", self.num_workers)
-        if self.dataset == "synthetic":
-            need = self.synthetic_size * self.synthetic_side ** 2 * 4  # float32, one channel, per process
-            ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-            if need > ram // 2:
-                raise ValueError(f"synthetic_size={self.synthetic_size} at synthetic_side={self.synthetic_side} "
-                                 f"needs {need / 2**30:.1f} GiB per process, more than half of this host's "
-                                 f"{ram / 2**30:.0f} GiB; lower synthetic_size or synthetic_side")
         return self
 
     def world_size(self, plan: DevicePlan) -> int:

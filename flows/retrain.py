@@ -12,8 +12,8 @@ from prefect import flow
 from gpuflow.tasks.tracking import store
 
 from .champion import compare_with_champion
-from .calls import flat_parameters
-from .params import RetrainParams
+from .calls import flat_parameters, validated_once
+from .params import PipelineParams, RetrainParams
 from .train import train_pipeline
 
 
@@ -30,7 +30,8 @@ def retrain(params: RetrainParams) -> dict:
 
 def challenge(params: RetrainParams, uri: str) -> dict:
     """Train a challenger, evaluate it and the champion on the same data, promote the better."""
-    trained = train_pipeline(**params.pipeline())
+    with validated_once(PipelineParams.model_construct(**params.pipeline())):  # checked as RetrainParams
+        trained = train_pipeline(**params.pipeline())
     decision = compare_with_champion(params, store.prepare_store(uri), str(trained["model_version"]),
                                      trained["run_id"], "retrain")
     return {"run_id": trained["run_id"], **decision}

@@ -115,3 +115,39 @@ def test_gpuflow_imports_without_collection_then_collects_during_the_command(arg
                          timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "collector True True" in out.stdout + out.stderr, out.stdout[-2000:]  # a job's prints go to stderr
+
+
+def test_a_flow_takes_the_values_its_caller_validated_once_and_validates_any_other(monkeypatch):
+    """The CLI validates before any server starts and hands the result on (calls.validated_once);
+    the flow it calls takes it as it is. Once: a flow called inside that one validates its own."""
+    from gpuflow.flows import calls
+    from gpuflow.flows.params import ScriptParams
+
+    seen = []
+    real = calls.validated
+    monkeypatch.setattr(calls, "validated", lambda model, values: seen.append(model) or real(model, values))
+    checked = PipelineParams(epochs=2)
+    with calls.validated_once(checked):
+        assert calls.entered(PipelineParams, {"epochs": 2}) is checked
+        nested = calls.entered(PipelineParams, {"epochs": 2})
+    assert nested is not checked and nested.epochs == 2 and seen == [PipelineParams]
+    with calls.validated_once(checked), pytest.raises(calls.InvalidParameters, match="script"):
+        calls.entered(ScriptParams, {})  # another model: its own values, validated
+    assert seen == [PipelineParams, ScriptParams]
+
+
+def test_a_prefect_flow_run_receives_the_callers_validated_parameters(prefect_api, monkeypatch):
+    """Through Prefect's flow engine (the CLI's path): the flow's function gets the very object."""
+    from prefect import flow
+
+    from gpuflow.flows import calls
+
+    @flow(validate_parameters=False)
+    @calls.flat_parameters(EvaluateParams)
+    def probe_flow(params: EvaluateParams) -> bool:
+        return params is checked
+
+    checked = EvaluateParams(version=2)
+    with calls.validated_once(checked):
+        assert probe_flow(version=2) is True
+    assert probe_flow(version=2) is False  # no caller's values: validated by the flow itself

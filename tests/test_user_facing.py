@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from gpuflow.flows import cli
 from gpuflow.flows.params import EvaluateParams, InferParams, PipelineParams
 from gpuflow.flows.settings import Settings, server_command, ui_command
+from gpuflow.tasks.devices.assign import AssignmentError, assign_devices_for
 from gpuflow.tasks.devices.probe import read_environment
 from gpuflow.tasks.tracking.results import NOT_COMPARED, OUTCOME_TAG
 from tests.helpers import ROOT
@@ -34,9 +35,6 @@ BAD = [
     (dict(val_fraction=1.0), "val_fraction=1.0: Input should be less than 1"),
     (dict(rdzv_timeout_s=1), "rdzv_timeout_s=1: Input should be greater than or equal to 10"),
     (dict(dist_timeout_s=0.5), "dist_timeout_s=0.5: Input should be greater than or equal to 10"),
-    (dict(cpu_processes=(os.cpu_count() or 1) + 1), f"more than the {os.cpu_count()} CPUs of this host"),
-    (dict(num_workers=(os.cpu_count() or 1) * 4), f"more than the {os.cpu_count()} CPUs of this host"),
-    (dict(dataset="synthetic", synthetic_size=10_000_000, synthetic_side=512), "lower synthetic_size"),
     (dict(experiment="../../outside"), "experiment='../../outside': not a usable name"),
     (dict(experiment="a/b"), "experiment='a/b': not a usable name"),
     (dict(registered_model="it's"), "registered_model=\"it's\": not a usable name"),
@@ -52,6 +50,26 @@ def test_bad_parameters_are_refused_in_one_line_naming_the_value(values, message
         PipelineParams(**values)
     line = cli.one_line(e.value)
     assert "\n" not in line and message in line
+
+
+# What the values ask of the host that runs them: checked in assignment, where the job runs (and by
+# the CLI before a server starts), not in validation, which may run on another machine.
+TOO_BIG_FOR_THIS_HOST = [
+    (dict(cpu_processes=(os.cpu_count() or 1) + 1), f"more than the {os.cpu_count()} CPUs of this host"),
+    (dict(num_workers=(os.cpu_count() or 1) * 4), f"more than the {os.cpu_count()} CPUs of this host"),
+    (dict(dataset="synthetic", synthetic_size=10_000_000, synthetic_side=512), "lower synthetic_size"),
+]
+
+
+@pytest.mark.parametrize("values,message", TOO_BIG_FOR_THIS_HOST, ids=[next(iter(v)) for v, _ in TOO_BIG_FOR_THIS_HOST])
+def test_values_too_big_for_this_host_are_refused_by_assignment_in_one_line(values, message):
+    params = PipelineParams(**values)  # valid values: another host may have them
+    with pytest.raises(AssignmentError) as e:
+        assign_devices_for(read_environment(), params, params.batch_size)
+    line = cli.one_line(e.value)
+    assert "\n" not in line and message in line
+    code = cli.main(["run", *[f"--{k.replace('_', '-')}={v}" for k, v in values.items()]])
+    assert code == 2  # the CLI refuses them before any server starts
 
 
 @pytest.mark.parametrize("model,values,message", [

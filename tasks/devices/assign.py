@@ -11,7 +11,7 @@ import os
 from typing import Annotated, Literal
 
 from prefect import task
-from pydantic import AfterValidator, BaseModel, Field, field_validator
+from pydantic import AfterValidator, BaseModel, Field
 
 from gpuflow.training.config import FP16_NEEDS_CUDA, batch_split
 from gpuflow.training.errors import UserError
@@ -59,11 +59,22 @@ def explicit_ids(gpus: str) -> list[int] | None:
     return [int(p) for p in gpus.split(",") if p] if "," in gpus else None
 
 
-def check_cores(name: str, value: int) -> int:
+def check_host(params) -> None:
+    """What the values ask of the host that runs them (its CPUs, its memory). Checked here, where
+    the job runs (assignment; the CLI before a server starts), not when the values are validated,
+    which may be on another machine (a placed run's parent, the Prefect form)."""
     cores = os.cpu_count() or 1
-    if value > cores:
-        raise ValueError(f"{name}={value} is more than the {cores} CPUs of this host; use at most {cores} (0 = auto)")
-    return value
+    for name in ("cpu_processes", "num_workers"):
+        if (value := getattr(params, name, 0)) > cores:
+            raise AssignmentError(f"{name}={value} is more than the {cores} CPUs of this host; "
+                                  f"use at most {cores} (0 = auto)")
+    if getattr(params, "dataset", None) == "synthetic":
+        need = params.synthetic_size * params.synthetic_side ** 2 * 4  # float32, one channel, per process
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if need > ram // 2:
+            raise AssignmentError(f"synthetic_size={params.synthetic_size} at synthetic_side={params.synthetic_side} "
+                                  f"needs {need / 2**30:.1f} GiB per process, more than half of this host's "
+                                  f"{ram / 2**30:.0f} GiB; lower synthetic_size or synthetic_side")
 
 
 class Devices(BaseModel):
@@ -78,11 +89,6 @@ class Devices(BaseModel):
     skip_busy: bool = Field(True, description="skip GPUs already running other processes")
     cpu_processes: int = Field(0, ge=0, description="DDP processes on a CPU-only host (0 = auto; "
                                "at most the host's CPU count)")
-
-    @field_validator("cpu_processes")
-    @classmethod
-    def _fits_this_host(cls, v: int, info) -> int:
-        return check_cores(info.field_name, v)
 
 
 class DevicePlan(BaseModel):
@@ -182,6 +188,7 @@ def _check_explicit(i: int, by_id: dict, visible: list[int], report: Environment
 def assign_devices_for(report: EnvironmentReport, req: Devices, batch_size: int | None,
                        precision: str = "fp32", locked: set[int] = frozenset()) -> DevicePlan:
     """Pure assignment: validate everything that can be checked before launch."""
+    check_host(req)
     no_gpu = not report.visible_physical_ids()
     if req.gpus == "cpu" or (req.gpus == "auto" and no_gpu):
         plan = _cpu_plan(report, req)
