@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import atexit
 import fcntl
-import functools
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -31,7 +29,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Iterator
 
-from gpuflow.training.lifetime import die_with_parent
+from gpuflow.training.reaper import start_supervised, stop_supervised
 
 STARTUP_TIMEOUT_ENV = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"  # Prefect's own name, read by both
 STARTUP_TIMEOUT_DEFAULT_S = 180  # a `prefect server start` takes ~10 s when idle, far more on a busy host
@@ -135,11 +133,10 @@ def _start_server() -> str:
           file=sys.stderr, flush=True)
     # Its messages go to a file: a pipe nobody reads while the flow runs could fill and block it.
     log = tempfile.TemporaryFile("w+")
-    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True,
-                              env=server_environment(), start_new_session=True,
-                              preexec_fn=functools.partial(die_with_parent, signal.SIGTERM, os.getpid()))
+    server = start_supervised(cmd, reap=False, stdout=subprocess.DEVNULL, stderr=log, text=True,
+                              env=server_environment(), start_new_session=True)
     # Stopped at exit, after Prefect's own exit hooks have sent their last logs and events.
-    atexit.register(_stop, server)
+    atexit.register(stop_supervised, [server], grace_s=15)
     wait_until_up(server, url, log)
     return url
 
@@ -161,12 +158,3 @@ def _tail(log: IO[str] | None) -> str:
         return "its messages are above"
     log.seek(0)
     return log.read()[-2000:]
-
-
-def _stop(server: subprocess.Popen) -> None:
-    server.terminate()
-    try:
-        server.wait(15)
-    except subprocess.TimeoutExpired:
-        server.kill()
-        server.wait()

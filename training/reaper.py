@@ -44,10 +44,14 @@ def supervised(cmd: list[str]) -> list[str]:
     return [sys.executable, "-m", "gpuflow.training.reaper", f"--grace={grace_seconds()}", "--", *cmd]
 
 
-def start_supervised(cmd: list[str], **popen) -> subprocess.Popen:
-    """Start `cmd` under the reaper, which is sent SIGTERM if this process dies, however it dies."""
+def start_supervised(cmd: list[str], reap: bool = True, **popen) -> subprocess.Popen:
+    """Start `cmd` under the reaper, which is sent SIGTERM if this process dies, however it dies.
+    The one way gpuflow starts a process that must not outlive it: ranks, every server (stopped with
+    `stop_supervised`). `reap=False` for a server that starts no process of its own (the temporary
+    Prefect API): the same signal reaches it directly, and a run keeps one process fewer."""
     parent = os.getpid()
-    return subprocess.Popen(supervised(cmd), preexec_fn=lambda: die_with_parent(signal.SIGTERM, parent), **popen)
+    return subprocess.Popen(supervised(cmd) if reap else cmd,
+                            preexec_fn=lambda: die_with_parent(signal.SIGTERM, parent), **popen)
 
 
 def run_supervised(cmd: list[str], **popen) -> int:
@@ -61,7 +65,7 @@ def run_supervised(cmd: list[str], **popen) -> int:
 
 
 def stop_supervised(procs: list[subprocess.Popen], sig: int = signal.SIGTERM, grace_s: float = 30.0) -> None:
-    """Stop each reaper (it stops its server and all it started), killed if it outlasts the grace."""
+    """Stop each (a reaper stops its server and all it started), killed if it outlasts the grace."""
     for p in procs:
         if p.poll() is None:
             p.send_signal(sig)
