@@ -98,6 +98,7 @@ def train(model: nn.Module, dataset, epochs: int, batch_size: int, ddp: bool, ra
     criterion = nn.CrossEntropyLoss()
     optimizer = (torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9) if optimizer_name == "sgd"
                  else torch.optim.Adam(model.parameters(), lr=lr))
+    loop_start = time.perf_counter()
     for epoch in range(epochs):
         sampler.set_epoch(epoch)
         start_s, seen = time.perf_counter(), 0
@@ -113,6 +114,8 @@ def train(model: nn.Module, dataset, epochs: int, batch_size: int, ddp: bool, ra
             model.train()
             print(json.dumps({"epoch": epoch + 1, "samples_per_s": seen * world / elapsed,
                               "loss": loss.item(), **scored}), flush=True)
+    if rank == 0:  # the whole loop, evaluation included: bench/checkpoints.py's per-epoch wall
+        print(json.dumps({"loop_s": time.perf_counter() - loop_start}), flush=True)
     if ddp:
         dist.barrier()  # leave together: a rank tearing gloo down early can abort (SIGABRT) the other
         dist.destroy_process_group()

@@ -304,3 +304,38 @@ def test_an_unwritable_metrics_file_warns_and_training_completes(tmp_path):
                       epochs=1, **SMALL)
     assert "live metrics off" in proc.stderr and str(tmp_path / "no" / "m.jsonl") in proc.stderr
     assert result(tmp_path / "w")["epochs_run"] == 1
+
+
+def test_a_checkpoint_is_written_while_the_next_epoch_trains_and_its_metrics_line_follows_the_file(
+        tmp_path, monkeypatch):
+    """The loop does not wait for the disk: epoch 2 starts while epoch 1's file is still being
+    written; each epoch's metrics line comes only once its file is whole (what the relay uploads)."""
+    import threading
+
+    from gpuflow.training import metrics as metrics_mod
+    from gpuflow.training.trainer import Trainer
+
+    second_epoch, overlapped, lines = threading.Event(), [], []
+    save, run_epoch = CheckpointStore.save, Trainer._run_epoch
+
+    def slow_save(self, payload, epoch):
+        if epoch == 1:
+            overlapped.append(second_epoch.wait(60))  # False if the loop waited for this write
+        return save(self, payload, epoch)
+
+    def epoch_started(self, epoch):
+        if epoch == 1:
+            second_epoch.set()
+        return run_epoch(self, epoch)
+
+    def log_epoch(self, epoch, metrics):
+        lines.append((epoch, sorted(p.name for p in (tmp_path / "ckpt").glob("epoch-*.pt"))))
+
+    monkeypatch.setattr(CheckpointStore, "save", slow_save)
+    monkeypatch.setattr(Trainer, "_run_epoch", epoch_started)
+    monkeypatch.setattr(metrics_mod.MetricsFile, "log_epoch", log_epoch)
+    out = _run_inprocess(tmp_path, epochs=3, **SMALL)
+    assert overlapped == [True]
+    assert [e for e, _ in lines] == [1, 2, 3]
+    assert all(f"epoch-{e:04d}.pt" in files for e, files in lines), lines
+    assert out["checkpoint"].endswith("epoch-0003.pt") and load_file(out["checkpoint"])["epoch"] == 3

@@ -40,9 +40,10 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def to_cpu(obj):
-    """A copy of nested dicts/lists with every tensor moved to the CPU (others as they are)."""
+    """A copy of nested dicts/lists with every tensor copied to the CPU (others as they are): it
+    stays as it is while training goes on."""
     if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
+        return obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):
         out = type(obj)((k, to_cpu(v)) for k, v in obj.items())
         if hasattr(obj, "_metadata"):  # module versions, kept as state_dict() has them
