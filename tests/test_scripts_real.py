@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from gpuflow.training.contract import read_process_group
-from tests.test_scripts import api_url, client, project  # noqa: F401  (api_url: a fixture)
+from tests.helpers import ROOT
+from tests.test_scripts import api_url, client, project, run_script  # noqa: F401  (api_url: a fixture)
 from tests.test_user_code import gpuflow
 
 # A single-process script, as tutorials write it: resumes from snapshot.pt when it exists and
@@ -133,3 +134,18 @@ def test_rank_0_records_whether_the_script_joined_a_process_group(tmp_path, scri
     expected = None if joined is None else {"script": f"{script}.py", "world_size": nproc, "joined": joined}
     assert read_process_group(record) == expected
     assert "has joined no process group" not in out.stderr  # the default grace (60 s) is far off
+
+
+def test_the_shipped_ddp_tutorial_script_runs_as_the_docs_say_and_its_snapshot_is_the_checkpoint(
+        tmp_path, api_url):  # noqa: F811
+    """docs/scripts.md's command, on the example that ships (examples/train_ddp.py), run twice:
+    the second run resumes from the snapshot the first left, as the tutorial's script does."""
+    folder = project(tmp_path / "proj", train_ddp=(ROOT / "examples" / "train_ddp.py").read_text())
+    first = run_script(folder, "train_ddp", api_url, "--collect", '["snapshot.pt"]', extra=("--epochs", "2"))
+    again = run_script(folder, "train_ddp", api_url, "--collect", '["snapshot.pt"]', extra=("--epochs", "3"))
+    c = client(folder)
+    assert [m.step for m in c.get_metric_history(first["run_id"], "train_loss")] == [1, 2]
+    assert [m.step for m in c.get_metric_history(again["run_id"], "train_loss")] == [3]
+    assert "Resuming training from snapshot at Epoch 2" in (folder / "runs" / again["run_id"] / "logs" / "script.log").read_text()
+    assert "state dict at ['MODEL_STATE']" in c.get_run(first["run_id"]).data.tags["gpuflow.checkpoint"]
+    torch.nn.Linear(20, 1).load_state_dict(torch.load(again["checkpoint"], weights_only=True)["model"], strict=True)
