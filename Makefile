@@ -17,7 +17,7 @@ run: $(VENV_OK)          ## the main job: the training pipeline flow on its defa
 	.venv/bin/gpuflow run $(ARGS)
 
 test: $(VENV_OK)         ## the test suite (CPU; gpu-marked tests skip without CUDA)
-	$(PY) -m pytest -n 2 --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-fast: $(VENV_OK)    ## the pure parts only (parameters, space, devices, rules), under a minute
 	$(PY) -m pytest -m fast $(PYTEST_ARGS)
