@@ -12,7 +12,8 @@ os.environ["GPUFLOW_LOCK_DIR"] = tempfile.mkdtemp(prefix="gpuflow-test-locks-")
 # allowlist rules, URI handling), under a minute. A test of these modules that starts a Prefect API
 # is left to `make test`.
 FAST_MODULES = {"test_params", "test_space", "test_policy", "test_devices", "test_rules", "test_card_locks",
-                "test_layout", "test_small_refusals", "test_docs"}
+                "test_layout", "test_small_refusals", "test_docs",
+                "test_doc_commands"}
 
 
 def pytest_collection_modifyitems(config, items):
