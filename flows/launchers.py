@@ -215,13 +215,20 @@ def watching(run: tracked.TrackedRun, metric: str | None, report, interval: floa
 @task(name="collect-outputs", cache_policy=NO_CACHE)
 def collect_outputs(run: tracked.TrackedRun, patterns: list[str], launched: float | None,
                     cwd: Path | None = None) -> dict:
-    """Log the output folder, the `collect` files and the logs; de-prefix the newest state dict
+    """Log the output folder, the `collect` files (none given: the checkpoint files the script wrote
+    in its working folder during the run) and the logs; de-prefix the newest state dict
     and log it as the run's checkpoint (or log it unchanged and say why). Tag and warn about
     collected files older than `launched`, and about processes that never joined a process group."""
-    from gpuflow.tasks.scriptout import flag_not_distributed, gather
+    from gpuflow.tasks.scriptout import flag_not_distributed, gather, written_during
 
     flag_not_distributed(run)
-    return gather(run, patterns, cwd or Path.cwd(), launched)
+    cwd = cwd or Path.cwd()
+    if not patterns and launched is not None:  # no --collect: the checkpoints it wrote during the run
+        patterns = written_during(cwd, launched, run.workdir.resolve())
+        if patterns:
+            get_run_logger().info("collecting %s: written by the script in %s during the run (--collect names "
+                                  "the files to keep instead)", ", ".join(patterns), cwd)
+    return gather(run, patterns, cwd, launched)
 
 
 @task(name="register-model", cache_policy=NO_CACHE)

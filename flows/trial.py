@@ -18,6 +18,7 @@ from gpuflow.tasks.devices.assign import Devices, assign_devices_for, why_not
 from gpuflow.tasks.devices.cards import CardLocks
 from gpuflow.tasks.devices.probe import EnvironmentReport, probe_environment
 from gpuflow.tasks.child import Stopped
+from gpuflow.tasks.scriptout import CHECKPOINT_SUFFIXES
 from gpuflow.tasks.tracking import tracked
 from gpuflow.training.contract import RunFolder
 
@@ -192,8 +193,6 @@ def run_trial(t: Trial, params: SweepParams, parent_id: str, metric: str, study_
                          "mlflow.log_metric, or optimize one of those")
     return float(final[metric])
 
-
-CHECKPOINT_SUFFIXES = (".pt", ".pth", ".ckpt", ".safetensors")
 
 
 def own_folder(project: Path, work: Path, collect: list[str]) -> Path:

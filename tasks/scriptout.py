@@ -78,6 +78,26 @@ def plain_files(root: Path) -> tuple[list[Path], list[str]]:
     return sorted(files), skipped
 
 
+CHECKPOINT_SUFFIXES = (".pt", ".pth", ".ckpt", ".safetensors")
+
+
+def written_during(cwd: Path, launched: float, own: Path) -> list[str]:
+    """Checkpoint files (by suffix) in `cwd` or a folder right below it that were written since
+    `launched`, other runs' folders (beside `own`, this run's) left out: what a script saved (the
+    tutorial's snapshot.pt, nanoGPT's out/ckpt.pt) when no `collect` pattern names its files."""
+    found = []
+    for pattern in ("*", "*/*"):
+        for p in cwd.glob(pattern):
+            try:
+                real = p.resolve()
+                if (p.suffix in CHECKPOINT_SUFFIXES and p.is_file() and p.stat().st_mtime >= launched
+                        and (own.parent not in real.parents or own in real.parents)):
+                    found.append(str(p.relative_to(cwd)))
+            except OSError:  # gone since it was listed
+                continue
+    return sorted(found)
+
+
 def collected_files(patterns: list[str], cwd: Path) -> tuple[list[Path], list[str]]:
     """The files the `collect` patterns match whose real paths (links followed) lie in `cwd`."""
     root = cwd.resolve()

@@ -8,7 +8,6 @@ The commands' full runs are the other tests' (the pipeline, scripts, sweeps, dep
 
 from __future__ import annotations
 
-import json
 import re
 import shlex
 import shutil

@@ -8,6 +8,7 @@ tests/test_scripts.py; GPUFLOW_JOIN_GRACE_S=1 makes rank 0's warning come within
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -139,9 +140,16 @@ def test_rank_0_records_whether_the_script_joined_a_process_group(tmp_path, scri
 def test_the_shipped_ddp_tutorial_script_runs_as_the_docs_say_and_its_snapshot_is_the_checkpoint(
         tmp_path, api_url):  # noqa: F811
     """docs/scripts.md's command, on the example that ships (examples/train_ddp.py), run twice:
-    the second run resumes from the snapshot the first left, as the tutorial's script does."""
+    the second run resumes from the snapshot the first left, as the tutorial's script does. Without
+    --collect, the snapshot it wrote during the run is found and said; an older .pt file is not."""
     folder = project(tmp_path / "proj", train_ddp=(ROOT / "examples" / "train_ddp.py").read_text())
-    first = run_script(folder, "train_ddp", api_url, "--collect", '["snapshot.pt"]', extra=("--epochs", "2"))
+    torch.save(torch.nn.Linear(1, 1).state_dict(), folder / "old.pt")  # before the run: not the run's
+    out = gpuflow(["run", "--script", "train_ddp.py", "--cpu-processes", "2", "--tracking-uri",
+                   f"sqlite:///{folder / 'mlflow.db'}", "--", "--epochs", "2"], folder, api_url)
+    assert out.returncode == 0, out.stderr[-3000:]
+    first = json.loads(out.stdout[out.stdout.index("{"):])
+    assert "collecting snapshot.pt: written by the script" in out.stderr, out.stderr[-3000:]
+    assert collected(folder, first["run_id"]) == {"collected/snapshot.pt"}
     again = run_script(folder, "train_ddp", api_url, "--collect", '["snapshot.pt"]', extra=("--epochs", "3"))
     c = client(folder)
     assert [m.step for m in c.get_metric_history(first["run_id"], "train_loss")] == [1, 2]
