@@ -89,8 +89,14 @@ def place(launcher) -> dict:
             except NodeFailed as e:
                 if len(lost) >= params.max_node_failures or e.node is None:
                     raise
+                trained = last_checkpoint(run)
+                if not e.gone and trained[1] == epoch:  # nothing trained this round, the machine answers:
+                    log.warning("not replacing %s: the round failed before it trained an epoch on a machine that "
+                                "still answers, so a spare would fail the same way (the job's own failure: your "
+                                "code, data or values)", e.node)
+                    raise
                 lost.append((e.node, str(e).splitlines()[0]))
-                resume, epoch = last_checkpoint(run)
+                resume, epoch = trained
                 run.log_metrics({"node_replacements": len(lost)})
                 log.warning("%s; replacing it (%d of %d), resuming after epoch %s", str(e).splitlines()[0],
                             len(lost), params.max_node_failures, epoch)

@@ -43,11 +43,12 @@ class NodeJob(BaseModel):
 
 
 class NodeFailed(TrainingFailed):
-    """A node of a placed run failed or never started (`node`: the machine, when one is to blame)."""
+    """A node of a placed run failed or never started (`node`: the machine, when one is to blame;
+    `gone`: it stopped answering or never started, so the machine, not the job, failed)."""
 
-    def __init__(self, message: str, node: str | None = None):
+    def __init__(self, message: str, node: str | None = None, gone: bool = False):
         super().__init__(message)
-        self.node = node
+        self.node, self.gone = node, gone
 
 
 def variable(kind: str, job_id: str) -> str:

@@ -72,3 +72,17 @@ def test_a_lost_machine_is_replaced_by_the_spare_and_the_run_resumes_in_the_same
     assert "node-c" in run.data.tags["machines"], run.data.tags  # the spare took a place
     assert out["model_version"] and client.get_model_version("gpuflow-model", out["model_version"]).run_id \
         == run.info.run_id  # registered from the same run
+
+
+def test_a_failure_every_machine_would_repeat_is_not_retried_on_a_spare(cluster, tmp_path):
+    """fp16 on CPU machines: each node's assignment refuses it before an epoch. The machine still
+    answers and nothing trained, so no spare is taken: the run fails at once with the cause."""
+    proc = gpuflow(cluster, tmp_path, *JOB, "--precision", "fp16", "--node-pool", cluster.pool,
+                   "--run-name", "fails-everywhere")
+    code, _, err = finished(proc, timeout=300)
+    last = err.strip().splitlines()[-1]
+    assert code == 1 and "precision 'fp16' needs CUDA" in last, err[-3000:]
+    assert "not replacing node-" in err and "replacing it (1 of 1)" not in err, err[-3000:]
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("gpuflow").experiment_id])
+    assert run.info.status == "FAILED" and "node_replacements" not in run.data.metrics
