@@ -14,7 +14,9 @@ import random
 import re
 import zipfile
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -218,9 +220,45 @@ class CheckpointStore:
             if epoch not in keep:
                 self.path_for(epoch).unlink(missing_ok=True)
 
+    def resume_path(self, resume: str, restarted: bool) -> str | Path | None:
+        """What a worker resumes from: the folder's newest checkpoint once it has one (a restart,
+        `restarted`, continues whatever `resume` says); before that, an explicit file, or nothing."""
+        if resume == "never" and not restarted:
+            return None
+        latest = self.latest()
+        return latest if latest is not None or resume in ("auto", "never") else resume
+
     def latest(self) -> Path | None:
         """Newest complete checkpoint (temp files never match the name pattern)."""
         if not self.folder.is_dir():
             return None
         found = [(int(m.group(1)), p) for p in self.folder.iterdir() if (m := NAME.match(p.name))]
         return max(found)[1] if found else None
+
+
+class BackgroundWriter:
+    """Writes a run's epoch checkpoints on a thread of its own, one file at a time: the training loop
+    hands over a copy of the state and goes on. `then` runs once the file is whole and the folder
+    trimmed to the policy (the epoch's metrics line, which the relay uploads the file on)."""
+
+    def __init__(self, store: CheckpointStore):
+        self.store = store
+        self.last: str | None = None  # the newest whole file
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="gpuflow-checkpoint")
+        self._writing: Future | None = None
+
+    def submit(self, payload: dict, epoch: int, retain: tuple, then: Callable[[], None]) -> None:
+        """`retain`: CheckpointStore.retain's arguments (newest, history, key, mode)."""
+        self.wait()  # the previous file is whole (and its error, if any, raised) first
+        self._writing = self._pool.submit(self._write, payload, epoch, retain, then)
+
+    def _write(self, payload: dict, epoch: int, retain: tuple, then: Callable[[], None]) -> None:
+        self.last = str(self.store.save(payload, epoch))
+        self.store.retain(*retain)
+        then()
+
+    def wait(self) -> None:
+        """Until the file being written is whole; raises what its write raised (a full disk)."""
+        writing, self._writing = self._writing, None
+        if writing is not None:
+            writing.result()

@@ -7,7 +7,6 @@ import math
 import os
 import sys
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -15,7 +14,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import data as data_mod
-from .checkpoint import CheckpointError, CheckpointStore, load_file, load_model_state
+from .checkpoint import BackgroundWriter, CheckpointError, CheckpointStore, load_file, load_model_state
 from .checkpoint import model_state, rng_state, save_file, set_rng_state, to_cpu, unwrap
 from .config import TrainConfig, batch_split
 from .distributed import DistContext, LaunchError, all_reduce_sum
@@ -57,9 +56,7 @@ class Trainer:
         self.fault = fault_hook(os.environ.get(FAULT_ENV))
         self.epochs_run = 0
         self.history: list[dict] = []
-        self.last_checkpoint: str | None = None
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="gpuflow-checkpoint")
-        self._writing: Future | None = None
+        self.writer = BackgroundWriter(self.store)
         self.resumed_from: str | None = None
         self.train_time_s = 0.0
         self._resume()
@@ -103,20 +100,9 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=DTYPES[self.cfg.precision])
 
     # --- checkpoints --------------------------------------------------------------------
-    def _resume_from(self) -> str | Path | None:
-        """The run's own newest checkpoint once it has one (a restart continues, whatever
-        `resume` says); before that, an explicit file, or nothing."""
-        restarted = (ranks().restarts > 0  # torchrun's restart
-                     or int(os.environ.get(LAUNCH_ATTEMPT_ENV, 1)) > 1)  # a Prefect retry
-        if self.cfg.resume == "never" and not restarted:
-            return None
-        latest = self.store.latest()
-        if latest is not None or self.cfg.resume in ("auto", "never"):
-            return latest
-        return self.cfg.resume
-
     def _resume(self) -> None:
-        path = self._resume_from()
+        restarted = ranks().restarts > 0 or int(os.environ.get(LAUNCH_ATTEMPT_ENV, 1)) > 1  # torchrun's, Prefect's
+        path = self.store.resume_path(self.cfg.resume, restarted)
         if path is None:
             return
         # CPU whatever the device: the RNG states must be CPU tensors; load_state_dict copies
@@ -135,27 +121,15 @@ class Trainer:
         self._say(f"resumed from {path} after epoch {self.epochs_run}")
 
     def _end_epoch(self, metrics: dict) -> None:
-        """The epoch's checkpoint, then its metrics line and console line. Rank 0 (global, on every
-        node count) takes a copy of the state now and writes it on a thread of its own while the next
-        epoch trains, one file at a time; the lines follow the file, so an epoch whose metrics were
-        logged always has its checkpoint (the relay uploads it; a replaced node resumes from it)."""
+        """The epoch's checkpoint, then its metrics and console lines. Rank 0 (global, on every node
+        count) copies the state now and the writer's thread writes it while the next epoch trains;
+        the lines follow the file, so a logged epoch always has its checkpoint (the relay uploads it;
+        a replaced node resumes from it)."""
         epoch = self.epochs_run
         if not self.ctx.is_main:
             return self._log_epoch(epoch, metrics)
-        payload = self._checkpoint_payload()
-        self.wait_for_checkpoint()  # the previous file is whole (and its error, if any, raised) first
-        self._writing = self._writer.submit(self._write_checkpoint, payload, epoch, list(self.history), metrics)
-
-    def _write_checkpoint(self, payload: dict, epoch: int, history: list[dict], metrics: dict) -> None:
-        self.last_checkpoint = str(self.store.save(payload, epoch))
-        self.store.retain(self.cfg.keep_checkpoints, history, f"val_{self.objective.monitor}", self.objective.mode)
-        self._log_epoch(epoch, metrics)
-
-    def wait_for_checkpoint(self) -> None:
-        """Until the checkpoint being written is whole; raises what its write raised (a full disk)."""
-        writing, self._writing = self._writing, None
-        if writing is not None:
-            writing.result()
+        retain = (self.cfg.keep_checkpoints, list(self.history), f"val_{self.objective.monitor}", self.objective.mode)
+        self.writer.submit(self._checkpoint_payload(), epoch, retain, lambda: self._log_epoch(epoch, metrics))
 
     def _log_epoch(self, epoch: int, metrics: dict) -> None:
         self.metrics.log_epoch(epoch, metrics)
@@ -224,7 +198,7 @@ class Trainer:
         start = time.perf_counter()
         for step, batch in enumerate(self._batches(self.train_loader, f"epoch {epoch + 1}"), 1):
             if self.fault:  # test-only: a fault lands after the last epoch's checkpoint is whole, as tests expect
-                self.wait_for_checkpoint()
+                self.writer.wait()
                 self.fault(self.ctx.rank, epoch + 1, step)
             inputs, target = split_batch(self._to_device(batch, self.pin))
             real = min(batch_len(target if target is not None else inputs), self.real_train - count)
@@ -288,7 +262,7 @@ class Trainer:
             self.epochs_run = epoch + 1
             self.history.append({"epoch": self.epochs_run, **metrics})
             self._end_epoch(metrics)
-        self.wait_for_checkpoint()
+        self.writer.wait()
         self.train_time_s = time.perf_counter() - start
         return self.result()
 
@@ -296,7 +270,7 @@ class Trainer:
         final = self.history[-1] if self.history else self.evaluate()
         return {
             "final_metrics": {k: v for k, v in final.items() if k != "epoch"},
-            "checkpoint": self.last_checkpoint or (str(self.store.latest()) if self.store.latest() else None),
+            "checkpoint": self.writer.last or (str(self.store.latest()) if self.store.latest() else None),
             "epochs_run": self.epochs_run,
             "world_size": self.ctx.world_size,
             "strategy": self.ctx.strategy,
