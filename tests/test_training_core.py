@@ -339,3 +339,37 @@ def test_a_checkpoint_is_written_while_the_next_epoch_trains_and_its_metrics_lin
     assert [e for e, _ in lines] == [1, 2, 3]
     assert all(f"epoch-{e:04d}.pt" in files for e, files in lines), lines
     assert out["checkpoint"].endswith("epoch-0003.pt") and load_file(out["checkpoint"])["epoch"] == 3
+
+
+def test_an_epoch_that_fails_while_the_last_checkpoint_is_written_still_logs_that_epoch(tmp_path, monkeypatch):
+    """Epoch 2 diverges while epoch 1's file is still being written: the worker waits for it, so
+    epoch 1 keeps both its file and its metrics line (the metrics file closes only after)."""
+    import time
+
+    from gpuflow.training import metrics as metrics_mod
+    from gpuflow.training.errors import TrainingDiverged
+    from gpuflow.training.trainer import Trainer
+
+    lines, save, run_epoch = [], CheckpointStore.save, Trainer._run_epoch
+
+    def slow_save(self, payload, epoch):
+        time.sleep(1.0)
+        return save(self, payload, epoch)
+
+    def diverge_in_the_second(self, epoch):
+        if epoch == 1:
+            raise TrainingDiverged("train_loss is nan in epoch 2")
+        return run_epoch(self, epoch)
+
+    def log_epoch(self, epoch, metrics):
+        if self._file is not None:  # what the real one writes: nothing once the file is closed
+            lines.append(epoch)
+
+    monkeypatch.setattr(CheckpointStore, "save", slow_save)
+    monkeypatch.setattr(Trainer, "_run_epoch", diverge_in_the_second)
+    monkeypatch.setattr(metrics_mod.MetricsFile, "log_epoch", log_epoch)
+    monkeypatch.setenv("GPUFLOW_METRICS_FILE", str(tmp_path / "metrics.jsonl"))
+    with pytest.raises(TrainingDiverged):
+        _run_inprocess(tmp_path, epochs=3, **SMALL)
+    assert lines == [1]
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("*.pt")) == ["epoch-0001.pt"]

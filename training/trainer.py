@@ -255,14 +255,16 @@ class Trainer:
 
     def train(self) -> dict:
         start = time.perf_counter()
-        for epoch in range(self.epochs_run, self.cfg.epochs):
-            metrics = self._run_epoch(epoch)
-            metrics.update(self.evaluate())
-            metrics["lr"] = self.optimizer.param_groups[0]["lr"]
-            self.epochs_run = epoch + 1
-            self.history.append({"epoch": self.epochs_run, **metrics})
-            self._end_epoch(metrics)
-        self.writer.wait()
+        try:
+            for epoch in range(self.epochs_run, self.cfg.epochs):
+                metrics = self._run_epoch(epoch)
+                metrics.update(self.evaluate())
+                metrics["lr"] = self.optimizer.param_groups[0]["lr"]
+                self.epochs_run = epoch + 1
+                self.history.append({"epoch": self.epochs_run, **metrics})
+                self._end_epoch(metrics)
+        finally:  # also when an epoch fails or a stop arrives: the last file whole, its line logged
+            self.writer.wait()
         self.train_time_s = time.perf_counter() - start
         return self.result()
 
