@@ -88,9 +88,11 @@ def written_during(cwd: Path, launched: float, own: Path) -> list[str]:
     found = []
     for pattern in ("*", "*/*"):
         for p in cwd.glob(pattern):
+            if p.suffix not in CHECKPOINT_SUFFIXES:  # most entries: no system call for them
+                continue
             try:
                 real = p.resolve()
-                if (p.suffix in CHECKPOINT_SUFFIXES and p.is_file() and p.stat().st_mtime >= launched
+                if (p.is_file() and p.stat().st_mtime >= launched
                         and (own.parent not in real.parents or own in real.parents)):
                     found.append(str(p.relative_to(cwd)))
             except OSError:  # gone since it was listed
