@@ -34,7 +34,10 @@ from gpuflow.training.reaper import start_supervised, stop_supervised
 STARTUP_TIMEOUT_ENV = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"  # Prefect's own name, read by both
 STARTUP_TIMEOUT_DEFAULT_S = 180  # a `prefect server start` takes ~10 s when idle, far more on a busy host
 # Prefect's default keeps leases in the memory of the server that granted them, unseen by the others on a home.
-SERVER_DEFAULTS = {"PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE": "prefect.server.concurrency.lease_storage.filesystem"}
+SERVER_DEFAULTS = {"PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE": "prefect.server.concurrency.lease_storage.filesystem",
+                   # `prefect deployment run --watch` shows the run's log lines (its reason when it fails)
+                   "PREFECT_SERVER_LOGS_STREAM_OUT_ENABLED": "true",
+                   "PREFECT_SERVER_LOGS_STREAM_PUBLISHING_ENABLED": "true"}
 
 
 def startup_timeout() -> float:

@@ -87,12 +87,35 @@ class UserErrorOnce(logging.Filter):
         return not any(m in record.getMessage() for m in self.messages)
 
 
-def report_user_errors_once() -> None:
+def report_user_errors_once(loggers: tuple[str, ...] = ("",)) -> None:
+    """The filter on the handlers of `loggers` (the root's: the console)."""
     import prefect  # noqa: F401  (its logging setup puts the console handler on the root logger)
 
     once = UserErrorOnce()
-    for handler in logging.getLogger().handlers:
-        handler.addFilter(once)
+    for name in loggers:
+        for handler in logging.getLogger(name).handlers:
+            handler.addFilter(once)
+
+
+_SAID = False  # this process's handlers have the filter
+
+
+def said_once_in_a_deployment_run(e: BaseException) -> None:
+    """A deployment's run (served, or a node's) that fails on a user error or a training failure
+    says why in one line under its own name: in the serve terminal, in `prefect deployment run
+    --watch` and in the UI's logs, none of which show Prefect's tracebacks repeating it."""
+    from prefect import get_run_logger
+    from prefect.context import FlowRunContext
+
+    ctx = FlowRunContext.get()
+    if ctx is None or ctx.flow_run is None or ctx.flow_run.deployment_id is None:
+        return
+    global _SAID
+    if not _SAID:  # once a process: the flow runs it holds share the one filter
+        report_user_errors_once(("", "prefect.flow_runs", "prefect.task_runs"))
+        _SAID = True
+    get_run_logger().error(one_line(e) if isinstance(e, UserError) else str(e).splitlines()[0])
+
 
 
 def warn_on_prefects_temporary_api() -> None:
@@ -155,7 +178,11 @@ def flat_parameters(model: type[BaseModel]) -> Callable[[Callable[[Any], Any]], 
 
     def wrap(fn: Callable[[Any], Any]) -> Callable[..., Any]:
         def flat(**values):
-            return fn(entered(model, values))
+            try:
+                return fn(entered(model, values))
+            except (UserError, TrainingFailed) as e:
+                said_once_in_a_deployment_run(e)
+                raise
 
         flat.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
             [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY,

@@ -12,7 +12,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from prefect import flow
+from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from gpuflow.tasks.tracking import store
@@ -34,9 +34,10 @@ def evaluate_model(params: EvaluateParams) -> dict:
         result = evaluate_checkpoint(ck, plan, params.split, params.dataset, params.data_root, fds)
     result |= {"registered_model": params.registered_model, "version": version, "physical_gpu": plan.primary}
     what = f"`{params.checkpoint}`" if params.checkpoint else f"{params.registered_model} v{version}"
-    create_markdown_artifact(key="evaluation", markdown=(
-        f"# Evaluation\n\n{what} on {result['dataset']} ({result['split']}, {result['samples']} samples), "
-        f"device {plan.describe()}: {scores(result)}\n"))
+    said = (f"{what} on {result['dataset']} ({result['split']}, {result['samples']} samples), "
+            f"device {plan.describe()}: {scores(result)}")
+    create_markdown_artifact(key="evaluation", markdown=f"# Evaluation\n\n{said}\n")
+    get_run_logger().info(said.replace("**", "").replace("`", ""))  # in the serve terminal and under --watch
     return result
 
 

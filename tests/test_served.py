@@ -20,6 +20,7 @@ import mlflow
 import psutil
 import pytest
 
+from gpuflow.flows.api import server_environment
 from tests.helpers import EXAMPLE
 from tests.servers import BIN, ServerProcess, prefect_server
 
@@ -51,7 +52,7 @@ def served(tmp_path_factory):
     home = base / "prefect-home"
     home.mkdir()
     fire = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(minutes=2)
-    server_env = dict(os.environ, PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS="5")
+    server_env = dict(server_environment(), PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS="5")  # `gpuflow server`'s
     server, api = prefect_server(home, server_env)
     shutil.copytree(EXAMPLE / "myproj", base / "myproj")  # a user package in serve's folder
     env = dict(os.environ, PREFECT_API_URL=api, PREFECT_HOME=str(home), OMP_NUM_THREADS="1",
@@ -107,6 +108,10 @@ def test_a_served_run_names_only_the_packages_and_folders_the_operator_allowed(s
     client = _client(served)
     (run,) = client.search_runs([client.get_experiment_by_name("allowed").experiment_id])
     assert run.info.status == "FINISHED" and run.data.params["model"] == "myproj.nets:Net"
+    # a served evaluation's scores, where its caller sees them
+    scored = _prefect(["deployment", "run", "evaluate-model/evaluate", "-p", "registered_model=blobs", "-p", "version=1",
+                       "-p", "gpus=cpu", "--watch"], dict(env, COLUMNS="1000"), timeout=300)
+    assert scored.returncode == 0 and "blobs v1 on " in scored.stdout and " accuracy " in scored.stdout, scored.stdout
     marker = served["base"] / "pwned"
     # An allowed module imports torch, which imports os: a path through attributes reached os.system,
     # called with model_args (model) or data_root (dataset) in the served flow's own process.
@@ -120,13 +125,25 @@ def test_a_served_run_names_only_the_packages_and_folders_the_operator_allowed(s
                (f"tracking_uri=sqlite:///{served['base'].parent / 'elsewhere' / 'x.db'}",):
                    "records to the operator's tracking store",
                ("tracking_uri=http://127.0.0.1:9",): "records to the operator's tracking store"}
+    serve_log = served["base"] / "serve.log"
+    start = len(serve_log.read_text())
     for bad, message in refused.items():
+        seen = len(serve_log.read_text())
         given = [arg for value in bad for arg in ("-p", value)]
         out = _prefect(["deployment", "run", "train-pipeline/ddp", *user, *given, "-p", "experiment=refused",
-                        "--watch"], env, timeout=300)
+                        "--watch"], dict(env, COLUMNS="1000"), timeout=300)
         assert out.returncode != 0, out.stdout[-2000:]
-        state = _api(api, f"/flow_runs/{_flow_run_id(out.stdout)}")["state"]
+        flow_run = _api(api, f"/flow_runs/{_flow_run_id(out.stdout)}")
+        state = flow_run["state"]
         assert state["type"] == "FAILED" and message in state["message"], (bad, state)
+        # the caller watching sees the reason in one line, not Prefect's traceback; so does the serve terminal
+        assert message in out.stdout and "Traceback" not in out.stdout, out.stdout[-3000:]
+        deadline = time.monotonic() + 10  # the serve process relays the run's output as it comes
+        while not (said := [line for line in serve_log.read_text()[seen:].splitlines() if message in line]):
+            assert time.monotonic() < deadline, serve_log.read_text()[seen:][-3000:]
+            time.sleep(0.2)
+        assert len(said) == 1 and f"Flow run '{flow_run['name']}' - " in said[0], said
+    assert "Traceback" not in serve_log.read_text()[start:], serve_log.read_text()[start:][-3000:]
     assert not marker.exists()  # the shell command never ran
     assert client.get_experiment_by_name("refused") is None  # refused before any MLflow run
     assert not (served["base"].parent / "elsewhere").exists()
