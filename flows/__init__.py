@@ -16,14 +16,27 @@ arguments; `gpuflow run --help` lists them) and returns what the command prints 
 Imported on first use: `import gpuflow.flows` alone imports neither Prefect nor MLflow.
 """
 
+import sys
 from importlib import import_module
+from types import ModuleType
 
 PUBLIC = {"train_pipeline": ".train", "train_script": ".script", "retrain": ".retrain",
           "evaluate_model": ".infer", "sweep": ".sweep", "prefect_api": ".api", "InvalidParameters": ".calls"}
 __all__ = list(PUBLIC)
 
 
-def __getattr__(name: str):
-    if name not in PUBLIC:
+class _Flows(ModuleType):
+    """`gpuflow.flows.sweep` and `.retrain` are the flows, not the modules of the same name that
+    Python's import sets on the package once anything imported them (reach a module with
+    `importlib.import_module("gpuflow.flows.sweep")`)."""
+
+    def __getattribute__(self, name: str):
+        if name in PUBLIC:
+            return getattr(import_module(PUBLIC[name], __name__), name)
+        return super().__getattribute__(name)
+
+    def __getattr__(self, name: str):
         raise AttributeError(f"module 'gpuflow.flows' has no attribute {name!r}")
-    return getattr(import_module(PUBLIC[name], __name__), name)
+
+
+sys.modules[__name__].__class__ = _Flows

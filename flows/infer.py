@@ -12,21 +12,19 @@ import json
 import tempfile
 from pathlib import Path
 
-from prefect import flow, get_run_logger
+from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from gpuflow.tasks.tracking import store
 from gpuflow.tasks.devices.probe import read_environment
 from gpuflow.tasks.tracking.registry import checkpoint_of, evaluate_checkpoint, resolve_version, run_on_device
 
-from .calls import flat_parameters
+from .checked import checked_flow
 from .params import EvaluateParams, InferParams
 from .session import on_one_device
 
 
-@flow(name="evaluate-model", flow_run_name="evaluate-{registered_model}-{version}-gpus={gpus}",
-      validate_parameters=False)
-@flat_parameters(EvaluateParams)
+@checked_flow(EvaluateParams, name="evaluate-model", flow_run_name="evaluate-{registered_model}-{version}-gpus={gpus}")
 def evaluate_model(params: EvaluateParams) -> dict:
     """Load a model version (or a checkpoint) onto one assigned device and report its loss and metrics."""
     with on_one_device(params.gpus) as (plan, fds), tempfile.TemporaryDirectory() as d:  # as training's

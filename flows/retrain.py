@@ -7,18 +7,17 @@ is strictly better (the first run promotes); a failed step moves nothing.
 
 from __future__ import annotations
 
-from prefect import flow
 
 from gpuflow.tasks.tracking import store
 
 from .champion import compare_with_champion
-from .calls import flat_parameters, validated_once
+from .calls import validated_once
+from .checked import checked_flow
 from .params import PipelineParams, RetrainParams
 from .train import train_pipeline
 
 
-@flow(name="retrain", flow_run_name="retrain-{model}-{dataset}", validate_parameters=False)
-@flat_parameters(RetrainParams)
+@checked_flow(RetrainParams, name="retrain", flow_run_name="retrain-{model}-{dataset}")
 def retrain(params: RetrainParams) -> dict:
     """Train a challenger with the pipeline and move `champion` to it only if it is better."""
     uri = params.tracking_uri

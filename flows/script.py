@@ -17,7 +17,7 @@ env:// rendezvous exist as it expects), from the folder gpuflow runs in, with:
 
 from __future__ import annotations
 
-from prefect import flow, get_run_logger
+from prefect import get_run_logger
 from prefect.runtime import flow_run
 
 from gpuflow.tasks.tracking import orphans
@@ -25,7 +25,7 @@ from gpuflow.tasks.tracking import orphans
 from .job import run_job
 from .launchers import Script, stem
 from .nodes import place
-from .calls import flat_parameters
+from .checked import checked_flow
 from .params import ScriptParams
 from .session import unique_name
 
@@ -37,9 +37,8 @@ def script_run_name() -> str:
     return p.get("run_name") or unique_name(stem({"script": p.get("script", "script")}))
 
 
-@flow(name="train-script", flow_run_name=script_run_name, validate_parameters=False,
-      on_crashed=[orphans.end_flow_run_mlflow_runs], on_cancellation=[orphans.end_flow_run_mlflow_runs])
-@flat_parameters(ScriptParams)
+@checked_flow(ScriptParams, name="train-script", flow_run_name=script_run_name,
+              on_crashed=[orphans.end_flow_run_mlflow_runs], on_cancellation=[orphans.end_flow_run_mlflow_runs])
 def train_script(params: ScriptParams) -> dict:
     """Run your torchrun script on the best devices of this host (or of `nodes` machines) and log one MLflow run."""
     done = place(Script(params)) if params.nodes > 1 else run_job(Script(params))

@@ -31,7 +31,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextvars import copy_context
 from pathlib import Path
 
-from prefect import flow, get_run_logger
+from prefect import get_run_logger
 from prefect.runtime import flow_run
 
 from gpuflow.tasks.devices.slot import device_slot
@@ -47,7 +47,7 @@ from .calls import one_line
 from .champion import compare_with_champion, offer_unevaluated
 from .job import parent_run
 from .launchers import Script
-from .calls import flat_parameters
+from .checked import checked_flow
 from .params import SweepParams
 from .space import Distribution, SweepError, read_space
 from .study import (HEARTBEAT_S, Kept, best_so_far, counted, default_study, open_study, storage_url,
@@ -72,9 +72,8 @@ def sweep_run_name() -> str:
     return p.get("study") or default_study(p)
 
 
-@flow(name="sweep", flow_run_name=sweep_run_name, validate_parameters=False,
-      on_crashed=[orphans.end_flow_run_mlflow_runs], on_cancellation=[orphans.end_flow_run_mlflow_runs])
-@flat_parameters(SweepParams)
+@checked_flow(SweepParams, name="sweep", flow_run_name=sweep_run_name,
+              on_crashed=[orphans.end_flow_run_mlflow_runs], on_cancellation=[orphans.end_flow_run_mlflow_runs])
 def sweep(params: SweepParams) -> dict:
     """Search a run's parameters with Optuna: trials in parallel on separate cards, pruned early,
     nested under one MLflow run; the best trial registered and promoted if it beats the champion."""

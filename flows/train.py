@@ -6,7 +6,7 @@ Run it with `gpuflow run`, as a deployment, or from Python (gpuflow.flows: train
 
 from __future__ import annotations
 
-from prefect import flow, get_run_logger
+from prefect import get_run_logger
 from prefect.runtime import flow_run
 
 from gpuflow.tasks.tracking import orphans
@@ -14,7 +14,7 @@ from gpuflow.tasks.tracking import orphans
 from .job import run_job
 from .launchers import Worker, stem
 from .nodes import place
-from .calls import flat_parameters
+from .checked import checked_flow
 from .params import PipelineParams
 from .session import unique_name
 
@@ -27,9 +27,8 @@ def run_name() -> str:
     return p.get("run_name") or unique_name(stem(p))
 
 
-@flow(name="train-pipeline", flow_run_name=run_name, validate_parameters=False,
-      on_crashed=[orphans.end_flow_run_mlflow_runs], on_cancellation=[orphans.end_flow_run_mlflow_runs])
-@flat_parameters(PipelineParams)
+@checked_flow(PipelineParams, name="train-pipeline", flow_run_name=run_name,
+              on_crashed=[orphans.end_flow_run_mlflow_runs], on_cancellation=[orphans.end_flow_run_mlflow_runs])
 def train_pipeline(params: PipelineParams) -> dict:
     """Train a model on the best devices of this host (or of `nodes` machines) and log one MLflow run."""
     done = place(Worker(params)) if params.nodes > 1 else run_job(Worker(params))

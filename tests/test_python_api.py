@@ -102,6 +102,16 @@ def test_bad_values_are_refused_in_one_line_whoever_calls_the_flow():
                             "batch_size=-3: Input should be greater than or equal to 1")
 
 
+def test_a_misspelled_keyword_is_refused_in_one_line_with_the_name_meant_before_prefect_binds_it():
+    from gpuflow.flows import InvalidParameters, sweep, train_pipeline
+
+    with pytest.raises(InvalidParameters) as e:
+        train_pipeline(epoch=3, gpus="cpu")  # Prefect's ParameterBindError: 2,400 characters, four times
+    assert str(e.value) == "epoch=3: train_pipeline takes no parameter 'epoch'; did you mean epochs?"
+    with pytest.raises(InvalidParameters, match=r"^zzz=1: sweep takes no parameter 'zzz'$"):
+        sweep(zzz=1)
+
+
 def test_a_flow_on_prefects_own_temporary_api_says_how_to_avoid_it(monkeypatch, capsys):
     from prefect.settings import PREFECT_API_URL, temporary_settings
 

@@ -6,6 +6,7 @@ the node named when a placed run's machine dies (flows/watch.py), a truncated ch
 from __future__ import annotations
 
 import datetime
+import importlib
 import itertools
 import logging
 import uuid
@@ -24,7 +25,7 @@ from gpuflow.training.checkpoint import CheckpointError, load_file
 
 def test_a_sweep_naming_gpus_on_a_host_without_any_is_refused_before_any_trial(prefect_api, tmp_path, capsys,
                                                                               monkeypatch):
-    from gpuflow.flows import sweep
+    sweep = importlib.import_module("gpuflow.flows.sweep")  # the module (gpuflow.flows.sweep is the flow)
 
     no_gpu = EnvironmentReport(hostname="cpu-box", cpu_count=2, source="none")
     monkeypatch.setattr(sweep, "probe_environment", lambda: no_gpu)

@@ -1,0 +1,34 @@
+"""gpuflow's public flows: Prefect flows whose keyword parameters are one model's fields
+(flows/calls.py `flat_parameters`), and whose callers hear of a misspelled keyword in one
+line with the name they meant, before Prefect binds the call."""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+from typing import Any, Callable
+
+from prefect import Flow
+from pydantic import BaseModel
+
+from .calls import InvalidParameters, flat_parameters
+
+
+class CheckedFlow(Flow):
+    def __call__(self, *args, **kwargs):
+        names = list(inspect.signature(self.fn).parameters)
+        unknown = [k for k in kwargs if k not in names and k not in ("return_state", "wait_for")]
+        if unknown:
+            raise InvalidParameters("; ".join(
+                f"{k}={kwargs[k]!r}: {self.fn.__name__} takes no parameter {k!r}"
+                + "".join(f"; did you mean {m}?" for m in difflib.get_close_matches(k, names, 1)) for k in unknown))
+        return super().__call__(*args, **kwargs)
+
+
+def checked_flow(model: type[BaseModel], **options: Any) -> Callable[[Callable[[Any], Any]], CheckedFlow]:
+    """`@flow(**options)` over `@flat_parameters(model)`: the flow validates its values itself, once."""
+
+    def wrap(fn: Callable[[Any], Any]) -> CheckedFlow:
+        return CheckedFlow(flat_parameters(model)(fn), validate_parameters=False, **options)
+
+    return wrap
