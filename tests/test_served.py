@@ -4,6 +4,7 @@ scheduler, a cancel from the UI (the API the UI calls), and Ctrl-C to `make serv
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -21,7 +22,7 @@ import psutil
 import pytest
 
 from gpuflow.flows.api import server_environment
-from tests.helpers import EXAMPLE
+from tests.helpers import EXAMPLE, ROOT
 from tests.servers import BIN, ServerProcess, prefect_server
 
 HANG_GUARD_S = 120
@@ -284,6 +285,29 @@ def test_the_nightly_retrain_is_fired_by_the_servers_scheduler_and_leaves_its_ml
     flow_run = _api(api, f"/flow_runs/{trained[0].data.tags['prefect.flow_run_id']}")
     assert flow_run["name"] == trained[0].info.run_name == trained[0].data.tags["prefect.flow_run_name"]
     assert client.get_model_version_by_alias("gpuflow-model", "champion")
+
+
+def test_ctrl_c_stops_make_serve_piped_through_tee_within_5_s(served, tmp_path):
+    """`make serve 2>&1 | tee serve.log` in a terminal: Ctrl-C reaches make, gpuflow and tee at once,
+    and gpuflow's output pipe closes under it as it shuts down."""
+    log = tmp_path / "serve.log"
+    proc = subprocess.Popen(["bash", "-c", f"make -s serve 2>&1 | tee {log}"], cwd=ROOT, env=served["env"],
+                            stdout=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + HANG_GUARD_S
+        while "being served" not in (log.read_text() if log.exists() else ""):
+            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.5)
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(5)  # the shell ends when make (which waits for gpuflow) and tee have
+        except subprocess.TimeoutExpired:
+            raise AssertionError(subprocess.run(["ps", "-o", "pid,stat,cmd", "-g", str(proc.pid)],
+                                                capture_output=True, text=True).stdout) from None
+        assert subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True).returncode == 1  # nothing left
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def test_ctrl_c_stops_make_serve_promptly(served):
