@@ -7,6 +7,7 @@ deployment, or a Prefect user's own flow (`train_pipeline(...)` as a subflow).
 - MLflow's INFO chatter and artifact progress bars stay out unless asked for
   (`MLFLOW_LOGGING_LEVEL`, `MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR`,
   `MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT`), as on the CLI.
+- A Ctrl-C nothing catches ends a user's own flow with one line, not a traceback.
 - A flow run on Prefect's own temporary API (no `PREFECT_API_URL`) is told that Ctrl-C stops
   that API before the flow can record its end, and how to avoid it (`prefect_api()`).
 """
@@ -118,6 +119,26 @@ def said_once_in_a_deployment_run(e: BaseException) -> None:
 
 
 
+INTERRUPTED = "gpuflow: interrupted; the training it started has stopped"
+
+
+def interrupted_in_one_line() -> None:
+    """A Ctrl-C that ends the process of a user's own flow (nothing caught it) prints one line,
+    not Python's ~60-line traceback through Prefect's engine."""
+    previous = sys.excepthook
+    if getattr(previous, "gpuflow", False):
+        return
+
+    def hook(kind, value, tb):
+        if issubclass(kind, KeyboardInterrupt):
+            print(INTERRUPTED, file=sys.stderr)
+        else:
+            previous(kind, value, tb)
+
+    hook.gpuflow = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
+
+
 def warn_on_prefects_temporary_api() -> None:
     from prefect.settings import PREFECT_API_URL
 
@@ -157,6 +178,7 @@ def entered(model: type[BaseModel], values: dict) -> BaseModel:
     else:
         params = validated(model, values)
     quiet_libraries()
+    interrupted_in_one_line()
     warn_on_prefects_temporary_api()
     return params
 
