@@ -41,7 +41,7 @@ from .job import PLACED_RESULT, Placement, parent_run, run_job
 from .launchers import Script, Worker
 from .calls import flat_parameters
 from .params import PipelineParams, ScriptParams
-from .rendezvous import POLL_S, NodeFailed, NodeJob, in_node_folder, node_name, variable
+from .rendezvous import POLL_S, NodeFailed, NodeJob, as_a_node, node_name, variable
 from .watch import watch
 from .session import current_name
 
@@ -89,14 +89,12 @@ def place(launcher) -> dict:
             except NodeFailed as e:
                 if len(lost) >= params.max_node_failures or e.node is None:
                     raise
-                trained = last_checkpoint(run)
-                if not e.gone and trained[1] == epoch:  # nothing trained this round, the machine answers:
-                    log.warning("not replacing %s: the round failed before it trained an epoch on a machine that "
-                                "still answers, so a spare would fail the same way (the job's own failure: your "
-                                "code, data or values)", e.node)
+                if e.repeats:
+                    log.warning("not replacing %s: a spare would fail the same way (the job's own failure: your "
+                                "code, data or values, before any progress)", e.node)
                     raise
                 lost.append((e.node, str(e).splitlines()[0]))
-                resume, epoch = trained
+                resume, epoch = last_checkpoint(run)
                 run.log_metrics({"node_replacements": len(lost)})
                 log.warning("%s; replacing it (%d of %d), resuming after epoch %s", str(e).splitlines()[0],
                             len(lost), params.max_node_failures, epoch)
@@ -171,7 +169,7 @@ def start_node(params, job: NodeJob, flow_name: str):
 
 
 @flow(name="train-node", flow_run_name=node_name, validate_parameters=False)
-@in_node_folder
+@as_a_node
 @flat_parameters(NodeParams)
 def train_node(params: NodeParams) -> dict:
     """One machine's part of a placed run (started by the parent flow, never by hand). Where machines
@@ -194,7 +192,7 @@ class ScriptNodeParams(ScriptParams):
 
 
 @flow(name="script-node", flow_run_name=node_name, validate_parameters=False)
-@in_node_folder
+@as_a_node
 @flat_parameters(ScriptNodeParams)
 def script_node(params: ScriptNodeParams) -> dict:
     """One machine's part of a placed script run (started by the parent flow, never by hand): the

@@ -17,6 +17,7 @@ from pydantic import BaseModel, Field
 
 from gpuflow.tasks.launch import Rendezvous, TrainingFailed
 from gpuflow.training.contract import NODE_ADDR_ENV, NODE_DIR_ENV
+from gpuflow.training.errors import UserError
 
 POLL_S = 1.0
 
@@ -42,13 +43,16 @@ class NodeJob(BaseModel):
         return f"{self.name}-r{self.round}" if self.round else self.name
 
 
+WOULD_REPEAT = "WouldRepeat"  # a node's end state when a spare would fail the same way
+
+
 class NodeFailed(TrainingFailed):
     """A node of a placed run failed or never started (`node`: the machine, when one is to blame;
-    `gone`: it stopped answering or never started, so the machine, not the job, failed)."""
+    `repeats`: its job would fail the same way on any machine, so no spare is taken)."""
 
-    def __init__(self, message: str, node: str | None = None, gone: bool = False):
+    def __init__(self, message: str, node: str | None = None, repeats: bool = False):
         super().__init__(message)
-        self.node, self.gone = node, gone
+        self.node, self.repeats = node, repeats
 
 
 def variable(kind: str, job_id: str) -> str:
@@ -101,12 +105,21 @@ def node_name() -> str:
     return f"{p.get('job', {}).get('name', 'node')}-{str(p.get('job', {}).get('id', ''))[:8]}"
 
 
-def in_node_folder(fn):
+def as_a_node(fn):
     """Run the node's flow in the folder `gpuflow node` serves from (the worker would use a temporary
-    one), before its parameters resolve their paths there."""
+    one), before its parameters resolve their paths there. A failure any machine would repeat (bad
+    values, or a rank's deterministic error: training/contract.py) ends the node's run in the state
+    WOULD_REPEAT, which tells the parent to take no spare for it."""
+    from prefect.states import Failed
+
     def run(**values):
         os.chdir(os.environ.get(NODE_DIR_ENV, "."))
-        return fn(**values)
+        try:
+            return fn(**values)
+        except (UserError, TrainingFailed) as e:
+            if isinstance(e, TrainingFailed) and not e.deterministic:
+                raise
+            return Failed(name=WOULD_REPEAT, message=f"{type(e).__name__}: {str(e).splitlines()[0]}")
 
     run.__signature__, run.__doc__, run.__name__ = fn.__signature__, fn.__doc__, fn.__name__
     run.__qualname__, run.__module__ = fn.__qualname__, fn.__module__

@@ -7,7 +7,7 @@ import time
 
 from prefect import get_run_logger
 
-from .rendezvous import POLL_S, NodeFailed
+from .rendezvous import POLL_S, WOULD_REPEAT, NodeFailed
 
 CANCEL_GRACE_S = 10.0  # a node's machine answers a cancellation within it, or is taken for gone
 DONE = {"COMPLETED"}
@@ -35,7 +35,7 @@ def watch(children: dict, start_timeout_s: float) -> None:
                 if late and time.monotonic() - started > start_timeout_s:
                     raise NodeFailed(f"node {late[0]} did not start within {start_timeout_s:g} s: no worker took "
                                      f"its queue; run `gpuflow node` on that machine, or pick other nodes",
-                                     node=late[0], gone=True)
+                                     node=late[0])
                 time.sleep(POLL_S)
         except BaseException:
             cancel(client, children)
@@ -44,7 +44,7 @@ def watch(children: dict, start_timeout_s: float) -> None:
         left_open = cancel(client, children)
         silent = [m for m in left_open if m in polled and last_polls(client, {m: runs[m]}).get(m) == polled[m]]
         lost, why = node_failure(runs, states, silent)
-        raise NodeFailed(why, node=lost, gone=lost in silent)
+        raise NodeFailed(why, node=lost, repeats=getattr(runs[lost].state, "name", None) == WOULD_REPEAT)
 
 
 def last_polls(client, runs: dict) -> dict:

@@ -75,8 +75,8 @@ def test_a_lost_machine_is_replaced_by_the_spare_and_the_run_resumes_in_the_same
 
 
 def test_a_failure_every_machine_would_repeat_is_not_retried_on_a_spare(cluster, tmp_path):
-    """fp16 on CPU machines: each node's assignment refuses it before an epoch. The machine still
-    answers and nothing trained, so no spare is taken: the run fails at once with the cause."""
+    """fp16 on CPU machines: each node's assignment refuses it, as a spare's would: no spare is
+    taken, the run fails at once with the cause."""
     proc = gpuflow(cluster, tmp_path, *JOB, "--precision", "fp16", "--node-pool", cluster.pool,
                    "--run-name", "fails-everywhere")
     code, _, err = finished(proc, timeout=300)

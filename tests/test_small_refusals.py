@@ -18,7 +18,9 @@ import torch
 
 from gpuflow.flows.cli import main
 from gpuflow.tasks.devices.probe import EnvironmentReport
+from gpuflow.tasks.failure import TrainingFailed
 from gpuflow.training.checkpoint import CheckpointError, load_file
+from gpuflow.training.errors import UserError
 
 # --- a sweep's cards ----------------------------------------------------------------------------
 
@@ -85,6 +87,11 @@ class Cluster:
 
 def watched(monkeypatch, cluster: Cluster) -> str:
     """The line `watch` fails the run with."""
+    return str(failure(monkeypatch, cluster))
+
+
+def failure(monkeypatch, cluster: Cluster):
+    """The NodeFailed `watch` fails the run with."""
     import prefect.client.orchestration
 
     from gpuflow.flows import watch
@@ -95,7 +102,35 @@ def watched(monkeypatch, cluster: Cluster) -> str:
     monkeypatch.setattr(prefect.client.orchestration, "get_client", lambda sync_client: cluster)
     with pytest.raises(watch.NodeFailed) as failed:
         watch.watch(dict(cluster.runs), 60)
-    return str(failed.value)
+    return failed.value
+
+
+@pytest.mark.parametrize("error, repeats", [
+    (UserError("precision='fp16' needs CUDA"), True),  # the node's values, refused
+    (TrainingFailed("training failed: ValueError: bad sample (at data.py, line 3; rank 1)", deterministic=True), True),
+    # under load, a node's torchrun could not reach the rendezvous store: the machine's bad luck, not the job's
+    (TrainingFailed("training failed: exited with code 1; its last line: torch.distributed.elastic.rendezvous.api."
+                    "RendezvousConnectionError: The connection to the C10d store has failed."), False)])
+def test_a_node_failure_a_spare_would_repeat_takes_no_spare_and_a_transient_one_does(monkeypatch, error, repeats):
+    import inspect
+
+    from prefect.states import Failed
+
+    from gpuflow.flows.rendezvous import as_a_node
+
+    def node(**values):
+        raise error
+
+    node.__signature__ = inspect.signature(node)
+    if repeats:
+        end = as_a_node(node)()
+    else:
+        with pytest.raises(TrainingFailed):
+            as_a_node(node)()
+        end = Failed(message=f"Flow run encountered an exception: TrainingFailed: {error}")  # Prefect's, on a raise
+    lost = failure(monkeypatch, Cluster({"node-a": end}))
+    assert lost.node == "node-a" and lost.repeats is repeats, str(lost)
+    assert str(error).splitlines()[0] in str(lost)
 
 
 def test_a_node_killed_mid_run_is_the_one_named_not_the_peer_that_lost_it(monkeypatch):
