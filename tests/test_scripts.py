@@ -321,7 +321,10 @@ def test_the_helper_under_plain_torchrun_only_writes_files(tmp_path):
     """No flow: checkpoints and metrics land in ./gpuflow-output; a rerun resumes after them."""
     folder = project(tmp_path / "proj", train=HELPER)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "GPUFLOW_"))}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train.py"]
+    # --max-restarts 1: gloo can abort a rank as it exits after the last barrier ("terminate called without an
+    # active exception", seen once in a loaded full run); the restarted pair resumes after the last epoch, trains none
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
+           "train.py"]
     for epochs in ("1", "2"):
         out = subprocess.run([*cmd, epochs], cwd=folder, env=env, capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr[-3000:]
