@@ -46,7 +46,7 @@ from .api import http_status, server_environment
 from .credentials import FILE as CREDENTIALS_FILE
 from .credentials import Credentials, stack_credentials, write_private
 from .postgres import Cluster, create_databases, database, run
-from .settings import LOOPBACK
+from .settings import LOOPBACK, mlflow_server_environment
 
 AUTH_CACHE_TTL_S = 60  # MLflow's own cache of verified basic-auth credentials (off by default)
 STUDY_VARIABLE = "gpuflow_sweep_storage"  # the Prefect Variable where sweeps find the stack's study database
@@ -125,7 +125,7 @@ def mlflow_env(data: Path, url: str, credentials: Credentials) -> dict:
                   # hash check (scrypt, ~100 ms) otherwise ran on every call. One worker, and the
                   # stack changes no password: nothing stale to serve (MLflow's basic_auth.ini)
                   f"auth_cache_ttl_seconds = {AUTH_CACHE_TTL_S}\n")
-    return dict(os.environ, MLFLOW_AUTH_CONFIG_PATH=str(config),
+    return dict(mlflow_server_environment(), MLFLOW_AUTH_CONFIG_PATH=str(config),
                 MLFLOW_AUTH_ADMIN_USERNAME=credentials.mlflow_username,
                 MLFLOW_AUTH_ADMIN_PASSWORD=credentials.mlflow_password,  # used only to create the admin
                 MLFLOW_FLASK_SERVER_SECRET_KEY=secrets.token_hex(32))  # signs the sign-up form: the same in all workers

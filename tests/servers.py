@@ -10,6 +10,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from gpuflow.flows.settings import mlflow_server_environment
+
 BIN = Path(sys.executable).parent
 
 
@@ -80,4 +82,4 @@ def mlflow_server(db: Path, log: Path) -> tuple[ServerProcess, str]:
     url = f"http://127.0.0.1:{port}"
     cmd = [str(BIN / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{db}",
            "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
-    return ServerProcess(cmd, url + "/health", dict(os.environ), log), url
+    return ServerProcess(cmd, url + "/health", mlflow_server_environment(), log), url  # as `gpuflow ui`'s

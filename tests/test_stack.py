@@ -27,6 +27,7 @@ from pathlib import Path
 
 import mlflow
 import numpy as np
+import psutil
 import pytest
 
 from gpuflow.flows.credentials import load_credentials
@@ -290,6 +291,14 @@ def test_another_account_gets_neither_the_database_nor_the_files_nor_the_servers
              "artifact get": [artifact], "artifact put": ["-X", "PUT", "--data-binary", "x", artifact]}
     assert {k: _as(stranger, *curl, *args).stdout for k, args in asked.items()} == dict.fromkeys(asked, "401")
     assert stack.answers() == {"prefect": 200, "mlflow": 200}
+
+
+def test_the_stack_runs_its_two_servers_and_its_database_and_no_mlflow_job_system(stack):
+    """MLflow's server would start a job system for its GenAI features (7 huey consumer processes,
+    ~2 GB together); gpuflow uses none of it, and on a small machine it took the CPU calls need."""
+    tree = [p.cmdline() for p in psutil.Process(stack.proc.pid).children(recursive=True)]
+    assert not [c for c in tree if any("huey" in part or "_job_runner" in part for part in c)], tree
+    assert any("mlflow" in c and "server" in c for c in tree) and any("prefect" in " ".join(c) for c in tree), tree
 
 
 def test_the_servers_database_role_cannot_run_programs(stack):
