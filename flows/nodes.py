@@ -74,10 +74,11 @@ def place(launcher) -> dict:
                                     params.rdzv_timeout_s if lost else 0, lost)
             round_id = f"{job}-r{len(lost)}" if lost else str(job)
             run.client.set_tag(run.run_id, "machines", ",".join(machines))
-            if lost:
+            if lost:  # a spare came: the replacement happens
                 run.client.set_tag(run.run_id, f"node_replacement.{len(lost)}",
                                    f"lost {lost[-1][0]} ({lost[-1][1][:300]}); now on {', '.join(machines)}; "
                                    f"resumed after epoch {epoch}")
+                run.log_metrics({"node_replacements": len(lost)})
             log.info("placing %d nodes of run %s on %s (%s)", params.nodes, name, ", ".join(machines),
                      f"{params.max_node_failures - len(lost)} more machine(s) may be replaced"
                      if params.max_node_failures else "a node lost fails the run")
@@ -95,7 +96,6 @@ def place(launcher) -> dict:
                     raise
                 lost.append((e.node, str(e).splitlines()[0]))
                 resume, epoch = last_checkpoint(run)
-                run.log_metrics({"node_replacements": len(lost)})
                 log.warning("%s; replacing it (%d of %d), resuming after epoch %s", str(e).splitlines()[0],
                             len(lost), params.max_node_failures, epoch)
             finally:

@@ -4,15 +4,13 @@ machine, killed mid-run; the spare takes its place and the run resumes in the sa
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 
 import mlflow
 import pytest
 
 from tests.netns import two_nodes
-from tests.test_nodes import finished, gpuflow
+from tests.test_nodes import finished, gpuflow, kill_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -33,20 +31,6 @@ def _epochs(client, name: str) -> list[int]:
     return [m.step for m in client.get_metric_history(runs[0].info.run_id, "train_loss")] if runs else []
 
 
-def _kill_ranks(node) -> None:
-    """torchrun and the rank of one machine, SIGKILL; its `gpuflow node` stays."""
-    for pid in node.pids():
-        try:
-            cmd = open(f"/proc/{pid}/cmdline", "rb").read()
-        except OSError:
-            continue
-        if b"torch.distributed.run" in cmd or b"gpuflow.training" in cmd and b"--config" in cmd:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-
 @pytest.mark.parametrize("lose", ["the ranks of node-b", "node-a, node 0, whole"])
 def test_a_lost_machine_is_replaced_by_the_spare_and_the_run_resumes_in_the_same_mlflow_run(cluster, tmp_path, lose):
     name = "failover-" + lose.split()[-1]
@@ -57,7 +41,7 @@ def test_a_lost_machine_is_replaced_by_the_spare_and_the_run_resumes_in_the_same
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-4000:]
         time.sleep(0.5)
     if lose.startswith("the ranks"):
-        _kill_ranks(cluster.node("node-b"))
+        kill_ranks(cluster.node("node-b"))
     else:
         cluster.kill_node("node-a")  # its worker too: the machine stops answering
     code, out, err = finished(proc, timeout=480)

@@ -5,6 +5,7 @@ started from the root namespace with `gpuflow run --nodes 2`."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -16,7 +17,6 @@ import mlflow
 import pytest
 import torch
 
-from tests.helpers import ROOT
 from tests.netns import two_nodes
 
 pytestmark = pytest.mark.slow
@@ -138,6 +138,46 @@ def test_a_machine_whose_worker_is_gone_fails_the_run_by_its_start_deadline(clus
     assert not left, left
 
 
+def test_with_no_spare_machine_a_lost_node_fails_the_run_within_the_timeout_naming_it(cluster, tmp_path):
+    """--max-node-failures 1 on a pool of exactly two machines: one machine's ranks die mid-run, no
+    third machine comes within --rdzv-timeout-s, and the run fails naming what was lost."""
+    proc = gpuflow(cluster, tmp_path, "--gpus", "cpu", "--cpu-processes", "1", "--nodes", "2",
+                   "--max-node-failures", "1", "--rdzv-timeout-s", "15", "--node-pool", cluster.pool,
+                   "--dataset", "synthetic", "--synthetic-size", "20000", "--epochs", "50", "--run-name", "no-spare")
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    deadline = time.monotonic() + 300
+    while not _training(client, "no-spare"):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-4000:]
+        time.sleep(1)
+    kill_ranks(cluster.node("node-b"))  # its `gpuflow node` stays: the pool still has two machines, no third
+    killed = time.monotonic()
+    code, _, err = finished(proc, timeout=240)
+    last = err.strip().splitlines()[-1]
+    assert code == 1 and "and no spare machine of node_pool" in last and "within 15 s" in last, err[-4000:]
+    assert "lost: node-" in last and time.monotonic() - killed < 15 + 60, last
+    (run,) = client.search_runs(client.get_experiment_by_name("gpuflow").experiment_id,
+                                "tags.`mlflow.runName` = 'no-spare'")
+    assert run.info.status == "FAILED" and "node_replacements" not in run.data.metrics
+    deadline = time.monotonic() + 60  # nothing of either machine trains on
+    while (left := _ranks([p for n in cluster.nodes for p in n.pids()])) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert not left, left
+
+
+def kill_ranks(node) -> None:
+    """torchrun and the rank of one machine, SIGKILL; its `gpuflow node` stays."""
+    for pid in node.pids():
+        try:
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read()
+        except OSError:
+            continue
+        if b"torch.distributed.run" in cmd or b"gpuflow.training" in cmd and b"--config" in cmd:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 def test_a_node_killed_mid_run_fails_the_run_and_the_other_node_stops(cluster, tmp_path):
     proc = gpuflow(cluster, tmp_path, "--gpus", "cpu", "--cpu-processes", "1", "--nodes", "2",
                    "--node-pool", cluster.pool, "--dataset", "synthetic", "--synthetic-size", "20000",
@@ -160,9 +200,9 @@ def test_a_node_killed_mid_run_fails_the_run_and_the_other_node_stops(cluster, t
     assert not left, left  # node-a's torchrun and rank stopped with their peer
 
 
-def _training(client) -> bool:
+def _training(client, name: str = "to-kill") -> bool:
     exp = client.get_experiment_by_name("gpuflow")
-    runs = client.search_runs(exp.experiment_id, "tags.`mlflow.runName` = 'to-kill'") if exp else []
+    runs = client.search_runs(exp.experiment_id, f"tags.`mlflow.runName` = '{name}'") if exp else []
     return bool(runs and client.get_metric_history(runs[0].info.run_id, "train_loss"))
 
 
