@@ -118,7 +118,6 @@ def said_once_in_a_deployment_run(e: BaseException) -> None:
     get_run_logger().error(one_line(e) if isinstance(e, UserError) else str(e).splitlines()[0])
 
 
-
 INTERRUPTED = "gpuflow: interrupted; the training it started has stopped"
 
 

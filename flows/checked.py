@@ -15,6 +15,8 @@ from .calls import InvalidParameters, flat_parameters
 
 
 class CheckedFlow(Flow):
+    """A Prefect flow whose call refuses a keyword it does not take, naming the closest it does."""
+
     def __call__(self, *args, **kwargs):
         names = list(inspect.signature(self.fn).parameters)
         unknown = [k for k in kwargs if k not in names and k not in ("return_state", "wait_for")]

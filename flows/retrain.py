@@ -7,7 +7,6 @@ is strictly better (the first run promotes); a failed step moves nothing.
 
 from __future__ import annotations
 
-
 from gpuflow.tasks.tracking import store
 
 from .champion import compare_with_champion

@@ -77,7 +77,7 @@ def server_command(s: Settings) -> list[str]:
 
 # MLflow's server starts a job system for its GenAI features (7 huey consumer processes, ~50
 # polling threads) that gpuflow never uses; on 2 cores their polling took the CPU its calls need
-# (an authenticated call on the stack: 31 ms with it, 7 ms without; bench/RESULTS.md)
+# (an authenticated call on a freshly started stack: 31 ms with it, 7 ms without; bench/RESULTS.md)
 MLFLOW_SERVER_DEFAULTS = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
 
 
