@@ -164,6 +164,46 @@ def test_with_no_spare_machine_a_lost_node_fails_the_run_within_the_timeout_nami
     assert not left, left
 
 
+def test_ctrl_c_while_a_lost_machine_waits_for_its_spare_stops_the_run_and_leaves_nothing(cluster, tmp_path):
+    """The parent waits (up to --rdzv-timeout-s) for a spare to replace a lost machine; a Ctrl-C then
+    ends the command within seconds: the run KILLED, no node's run open, no rank, no rendezvous."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterFlowRunId
+
+    proc = gpuflow(cluster, tmp_path, "--gpus", "cpu", "--cpu-processes", "1", "--nodes", "2",
+                   "--max-node-failures", "1", "--rdzv-timeout-s", "240", "--node-pool", cluster.pool,
+                   "--dataset", "synthetic", "--synthetic-size", "20000", "--epochs", "50", "--run-name", "ctrl-c")
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    deadline = time.monotonic() + 300
+    while not _training(client, "ctrl-c"):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-4000:]
+        time.sleep(1)
+    (run,) = client.search_runs(client.get_experiment_by_name("gpuflow").experiment_id,
+                                "tags.`mlflow.runName` = 'ctrl-c'")
+    parent = run.data.tags["prefect.flow_run_id"]
+    kill_ranks(cluster.node("node-b"))
+    with cluster.client_settings(), get_client(sync_client=True) as prefect:
+        while not any("replacing it" in line.message for line in prefect.read_logs(
+                LogFilter(flow_run_id=LogFilterFlowRunId(any_=[parent])))):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-4000:]
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)  # the parent now waits for a third machine that never comes
+        stopped = time.monotonic()
+        code, _, err = finished(proc, timeout=120)
+        assert code == 130 and time.monotonic() - stopped < 30, err[-3000:]
+        nodes = [r for r in prefect.read_flow_runs() if r.name.startswith(("node-a-", "node-b-"))
+                 and r.name.endswith(str(parent)[:8])]  # this run's node jobs: <machine>-<job id>
+        assert nodes and all(r.state.is_final() for r in nodes), [(r.name, r.state.type) for r in nodes]
+        assert not [v.name for v in prefect.read_variables() if v.name.startswith("gpuflow-rdzv-")]
+        assert prefect.read_flow_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[parent])))[0] \
+            .state.is_final()
+    assert client.get_run(run.info.run_id).info.status == "KILLED"
+    deadline = time.monotonic() + 60
+    while (left := _ranks([p for n in cluster.nodes for p in n.pids()])) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert not left, left
+
+
 def kill_ranks(node) -> None:
     """torchrun and the rank of one machine, SIGKILL; its `gpuflow node` stays."""
     for pid in node.pids():
