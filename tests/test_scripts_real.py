@@ -115,9 +115,12 @@ def test_a_ddp_script_is_not_flagged_even_when_it_joins_after_the_grace_period(t
     tags, console = run(folder, api_url, "train", extra=("2",))
     assert "gpuflow.not_distributed" not in tags and "gpuflow.predates_run" not in tags, tags
     assert "never joined" not in console
-    # 2 s of data preparation outlast the 1 s grace: the warning, then its retraction, once each
-    assert console.count("has joined no process group") == 1, console[-4000:]
-    assert console.count("train.py joined a process group after all: ignore the warning above") == 1
+    # 2 s of data preparation outlast the 1 s grace: the warning, then its retraction, once each per attempt
+    # (gloo can abort a rank as it exits, "terminate called without an active exception", and torchrun then
+    # runs the script again: seen in CI)
+    warned = console.count("has joined no process group")
+    assert warned == 1 + console.count("terminate called without an active exception"), console[-4000:]
+    assert console.count("train.py joined a process group after all: ignore the warning above") == warned
     assert collected(folder, tags["run_id"]) == {"collected/model.pt"}
 
 
