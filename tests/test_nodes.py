@@ -138,17 +138,24 @@ def test_a_machine_whose_worker_is_gone_fails_the_run_by_its_start_deadline(clus
     assert not left, left
 
 
+def replaceable_run_training(cluster, tmp_path: Path, name: str, rdzv_timeout_s: int):
+    """`gpuflow run --nodes 2 --max-node-failures 1` on the two machines, once its first epoch is
+    logged: (the process, its MLflow client)."""
+    proc = gpuflow(cluster, tmp_path, "--gpus", "cpu", "--cpu-processes", "1", "--nodes", "2",
+                   "--max-node-failures", "1", "--rdzv-timeout-s", str(rdzv_timeout_s), "--node-pool", cluster.pool,
+                   "--dataset", "synthetic", "--synthetic-size", "20000", "--epochs", "50", "--run-name", name)
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    deadline = time.monotonic() + 300
+    while not _training(client, name):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-4000:]
+        time.sleep(1)
+    return proc, client
+
+
 def test_with_no_spare_machine_a_lost_node_fails_the_run_within_the_timeout_naming_it(cluster, tmp_path):
     """--max-node-failures 1 on a pool of exactly two machines: one machine's ranks die mid-run, no
     third machine comes within --rdzv-timeout-s, and the run fails naming what was lost."""
-    proc = gpuflow(cluster, tmp_path, "--gpus", "cpu", "--cpu-processes", "1", "--nodes", "2",
-                   "--max-node-failures", "1", "--rdzv-timeout-s", "15", "--node-pool", cluster.pool,
-                   "--dataset", "synthetic", "--synthetic-size", "20000", "--epochs", "50", "--run-name", "no-spare")
-    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    deadline = time.monotonic() + 300
-    while not _training(client, "no-spare"):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-4000:]
-        time.sleep(1)
+    proc, client = replaceable_run_training(cluster, tmp_path, "no-spare", rdzv_timeout_s=15)
     kill_ranks(cluster.node("node-b"))  # its `gpuflow node` stays: the pool still has two machines, no third
     killed = time.monotonic()
     code, _, err = finished(proc, timeout=240)
@@ -170,14 +177,8 @@ def test_ctrl_c_while_a_lost_machine_waits_for_its_spare_stops_the_run_and_leave
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterFlowRunId
 
-    proc = gpuflow(cluster, tmp_path, "--gpus", "cpu", "--cpu-processes", "1", "--nodes", "2",
-                   "--max-node-failures", "1", "--rdzv-timeout-s", "240", "--node-pool", cluster.pool,
-                   "--dataset", "synthetic", "--synthetic-size", "20000", "--epochs", "50", "--run-name", "ctrl-c")
-    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    deadline = time.monotonic() + 300
-    while not _training(client, "ctrl-c"):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-4000:]
-        time.sleep(1)
+    deadline = time.monotonic() + 300  # for the start and the replacement both, as the helper's own
+    proc, client = replaceable_run_training(cluster, tmp_path, "ctrl-c", rdzv_timeout_s=240)
     (run,) = client.search_runs(client.get_experiment_by_name("gpuflow").experiment_id,
                                 "tags.`mlflow.runName` = 'ctrl-c'")
     parent = run.data.tags["prefect.flow_run_id"]
