@@ -7,6 +7,16 @@ walls, their ratio, and the fixed start-up cost of placement (the difference: pi
 the node flow runs taken by the workers, each node's probe, data and preflight, the rendezvous).
 
     python -m bench.nodes [--repeats 3]
+
+`--recovery` (issue #36; root: machines are network namespaces, tests/netns.py): three machines,
+`--nodes 2 --max-node-failures 1`, 6 epochs. Each repeat runs the job once losing nothing and once
+with the ranks of a non-zero node SIGKILLed after epoch 2 is logged. Reports the recovery time (the
+loss to the first step after resume: the first resumed epoch's end, from its MLflow timestamp, less
+its epoch_time_s), the work lost (whole epochs trained again, and the training since the last
+checkpoint at the loss) and both walls. Goal: recovery <= 30 s plus one rendezvous, work lost <=
+one checkpoint interval (one epoch).
+
+    python -m bench.nodes --recovery [--repeats 3]
 """
 
 from __future__ import annotations
@@ -34,10 +44,84 @@ def placed_and_single(tmp: Path, api: str, repeats: int) -> dict[str, list[float
     return walls
 
 
+RECOVERY_JOB = ["--gpus", "cpu", "--cpu-processes", "1", "--nodes", "2", "--max-node-failures", "1",
+                "--dataset", "synthetic", "--synthetic-size", "20000", "--epochs", "6", "--seed", "3"]
+
+
+def _history(client, name: str) -> list:
+    exp = client.get_experiment_by_name("gpuflow")
+    runs = client.search_runs(exp.experiment_id, f"tags.`mlflow.runName` = '{name}'") if exp else []
+    return client.get_metric_history(runs[0].info.run_id, "train_loss") if runs else []
+
+
+def one_recovery(cluster, folder: Path, lose: bool) -> dict:
+    """One placed run; with `lose`, the ranks of its second machine killed once epoch 2 is logged."""
+    import mlflow
+
+    from tests.test_nodes import finished, gpuflow, kill_ranks
+
+    folder.mkdir()
+    name = folder.name
+    start = time.monotonic()
+    proc = gpuflow(cluster, folder, *RECOVERY_JOB, "--node-pool", cluster.pool, "--run-name", name)
+    client = mlflow.MlflowClient(f"sqlite:///{folder / 'mlflow.db'}")
+    killed = None
+    while lose and killed is None:
+        assert proc.poll() is None and time.monotonic() - start < 600, proc.communicate()[1][-3000:]
+        logged = _history(client, name)
+        if len(logged) >= 2:
+            run = client.search_runs(client.get_experiment_by_name("gpuflow").experiment_id,
+                                     f"tags.`mlflow.runName` = '{name}'")[0]
+            victim = run.data.tags["machines"].split(",")[1]  # not node 0
+            killed, last = time.time(), max(m.timestamp for m in logged) / 1000
+            kill_ranks(cluster.node(victim))
+            before = max(m.step for m in logged)
+        time.sleep(0.2)
+    code, out, err = finished(proc, timeout=600)
+    assert code == 0, err[-3000:]
+    if os.environ.get("BENCH_CONSOLE"):
+        Path(os.environ["BENCH_CONSOLE"]).with_suffix(f".{name}.log").write_text(f"killed at {killed}\n{err}")
+    result = {"wall": time.monotonic() - start}
+    if lose:
+        run = client.get_run(out["run_id"])
+        resumed = int(run.data.tags["node_replacement.1"].rsplit("resumed after epoch ", 1)[1])
+        after = min((m for m in client.get_metric_history(out["run_id"], "train_loss") if m.step > resumed),
+                    key=lambda m: m.step)
+        took = {m.step: m.value for m in client.get_metric_history(out["run_id"], "epoch_time_s")}[after.step]
+        result.update(recovery=after.timestamp / 1000 - took - killed, redone=max(0, before - resumed),
+                      since_checkpoint=killed - last, epoch=took)
+    return result
+
+
+def recovery(tmp: Path, repeats: int) -> None:
+    from tests.netns import two_nodes
+
+    rows: dict[str, list[dict]] = {"none lost": [], "one lost": []}
+    with two_nodes(tmp, names=("node-a", "node-b", "node-c"), gpuflow_node=True,
+                   GPUFLOW_ALLOW_PATHS=str(tmp)) as cluster:
+        for i in range(repeats):
+            for label, lose in (("none lost", False), ("one lost", True)):
+                rows[label].append(one_recovery(cluster, tmp / f"run-{i}-{int(lose)}", lose))
+                print(label, {k: round(v, 2) for k, v in rows[label][-1].items()}, flush=True)
+    lost, kept = rows["one lost"], rows["none lost"]
+    print(f"{os.cpu_count()} CPUs, {repeats} repeats, 3 machines (netns), --nodes 2 --max-node-failures 1, 6 epochs")
+    print(f"wall, nothing lost:           {fmt(summary([r['wall'] for r in kept]), 1)} s")
+    print(f"wall, one machine lost:       {fmt(summary([r['wall'] for r in lost]), 1)} s")
+    print(f"recovery (loss to first step after resume): {fmt(summary([r['recovery'] for r in lost]), 1)} s")
+    print(f"epochs trained again:         {fmt(summary([r['redone'] for r in lost]))}")
+    print(f"training lost at the loss (since the last checkpoint): "
+          f"{fmt(summary([r['since_checkpoint'] for r in lost]), 1)} s; one epoch "
+          f"{fmt(summary([r['epoch'] for r in lost]), 1)} s")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--recovery", action="store_true", help="the time to recover from a lost machine (root)")
     a = p.parse_args()
+    if a.recovery:
+        with tempfile.TemporaryDirectory() as d:
+            return recovery(Path(d), a.repeats)
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         (tmp / "prefect-home").mkdir()

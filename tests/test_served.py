@@ -128,22 +128,30 @@ def test_a_served_run_names_only_the_packages_and_folders_the_operator_allowed(s
                ("tracking_uri=http://127.0.0.1:9",): "records to the operator's tracking store"}
     serve_log = served["base"] / "serve.log"
     start = len(serve_log.read_text())
+    # all refused runs at once (the serve process runs them side by side; each fails at its door)
+    calls = {bad: subprocess.Popen([str(BIN / "prefect"), "deployment", "run", "train-pipeline/ddp", *user,
+                                    *[arg for value in bad for arg in ("-p", value)], "-p", "experiment=refused",
+                                    "--watch"], env=dict(env, COLUMNS="1000"), stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True) for bad in refused}
+    outs = {bad: (call.communicate(timeout=300)[0], call.returncode) for bad, call in calls.items()}
     for bad, message in refused.items():
-        seen = len(serve_log.read_text())
-        given = [arg for value in bad for arg in ("-p", value)]
-        out = _prefect(["deployment", "run", "train-pipeline/ddp", *user, *given, "-p", "experiment=refused",
-                        "--watch"], dict(env, COLUMNS="1000"), timeout=300)
-        assert out.returncode != 0, out.stdout[-2000:]
-        flow_run = _api(api, f"/flow_runs/{_flow_run_id(out.stdout)}")
+        stdout, code = outs[bad]
+        assert code != 0, stdout[-2000:]
+        flow_run = _api(api, f"/flow_runs/{_flow_run_id(stdout)}")
         state = flow_run["state"]
         assert state["type"] == "FAILED" and message in state["message"], (bad, state)
         # the caller watching sees the reason in one line, not Prefect's traceback; so does the serve terminal
-        assert message in out.stdout and "Traceback" not in out.stdout, out.stdout[-3000:]
+        assert message in stdout and "Traceback" not in stdout, stdout[-3000:]
         deadline = time.monotonic() + 10  # the serve process relays the run's output as it comes
-        while not (said := [line for line in serve_log.read_text()[seen:].splitlines() if message in line]):
-            assert time.monotonic() < deadline, serve_log.read_text()[seen:][-3000:]
+        named = f"Flow run '{flow_run['name']}' - "
+        while not (said := [line for line in serve_log.read_text()[start:].splitlines() if named in line
+                            and message in line]):
+            assert time.monotonic() < deadline, serve_log.read_text()[start:][-3000:]
             time.sleep(0.2)
-        assert len(said) == 1 and f"Flow run '{flow_run['name']}' - " in said[0], said
+        assert len(said) == 1, said
+    for message in set(refused.values()):  # each reason once per run that met it, never repeated
+        said = [line for line in serve_log.read_text()[start:].splitlines() if message in line]
+        assert len(said) == list(refused.values()).count(message), said
     assert "Traceback" not in serve_log.read_text()[start:], serve_log.read_text()[start:][-3000:]
     assert not marker.exists()  # the shell command never ran
     assert client.get_experiment_by_name("refused") is None  # refused before any MLflow run

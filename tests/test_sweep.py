@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -198,12 +199,21 @@ def test_a_sweep_waits_for_a_slot_another_run_holds_and_never_uses_it(prefect_ap
     assert held[0].try_lock(f"{host}-cpu0") and held[1].try_lock(f"{host}-cpu1")
     proc = subprocess.Popen(_sweep_cmd(tmp_path, 2), cwd=tmp_path, env=_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
     try:
-        time.sleep(25)  # the sweep has started and found every slot held
+        deadline = time.monotonic() + 120
+        while not any("every slot is held by another gpuflow run; waiting" in line for line in list(lines)):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)[-3000:]
+            time.sleep(0.2)
+        time.sleep(3)  # it goes on waiting
         assert proc.poll() is None
         assert _states(tmp_path) == []  # no trial asked for, none started
         held[1].release()
-        out, _ = proc.communicate(timeout=400)
+        proc.wait(timeout=400)
+        reader.join(timeout=30)
+        out = "".join(lines)
     finally:
         if proc.poll() is None:
             proc.kill()
