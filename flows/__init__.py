@@ -1,18 +1,6 @@
-"""gpuflow's flows, to call from Python (a Prefect user's own flow, a notebook):
+"""gpuflow's flows, to call from Python (a Prefect user's own flow, a notebook; docs/deployments.md).
 
-    from prefect import flow
-    from gpuflow.flows import prefect_api, train_pipeline
-
-    @flow
-    def my_flow():
-        out = train_pipeline(model="myproj.nets:Net", dataset="myproj.data:datasets", epochs=3)
-        return out["model_version"]
-
-    with prefect_api():  # gpuflow's temporary Prefect API, unless PREFECT_API_URL is set
-        my_flow()
-
-Each flow takes the same parameters as its `gpuflow` command and deployments (keyword
-arguments; `gpuflow run --help` lists them) and returns what the command prints as JSON.
+Each flow takes its `gpuflow` command's parameters as keywords and returns what the command prints as JSON.
 Imported on first use: `import gpuflow.flows` alone imports neither Prefect nor MLflow.
 """
 
@@ -26,9 +14,8 @@ __all__ = list(PUBLIC)
 
 
 class _Flows(ModuleType):
-    """`gpuflow.flows.sweep` and `.retrain` are the flows, not the modules of the same name that
-    Python's import sets on the package once anything imported them (reach a module with
-    `importlib.import_module("gpuflow.flows.sweep")`)."""
+    """`gpuflow.flows.sweep` and `.retrain` are the flows, not the submodules of the same name
+    (reach those with `importlib.import_module("gpuflow.flows.sweep")`)."""
 
     def __getattribute__(self, name: str):
         if name in PUBLIC:

@@ -1,11 +1,7 @@
-"""`gpuflow` (the console script) and `python -m gpuflow.flows ...`: flows/cli.py, started with
-Python's cyclic garbage collector paused while it imports.
+"""`gpuflow` and `python -m gpuflow.flows`: flows/cli.py, imported with the cyclic garbage collector paused.
 
-Prefect, MLflow, SQLAlchemy and pydantic build well over a million objects on import, all of
-them alive until the process ends; the collector scanned them again and again on the way in:
-~0.8 s of a ~3.3 s start on 2 cores (bench/NOTES.md). Once the command's modules are in,
-`cli.imports_done()` freezes those objects (no later collection scans them) and collection
-resumes as usual for the run itself.
+Prefect, MLflow and pydantic build many objects on import that live until exit; `cli.imports_done()`
+freezes them so that no later collection scans them again (bench/NOTES.md).
 """
 
 import gc
@@ -17,7 +13,7 @@ def entry() -> int:
     from .cli import main
 
     code = main()
-    gc.freeze()  # exit without the final collection over everything the run built (~1 s)
+    gc.freeze()  # exit without a final collection over everything the run built
     return code
 
 

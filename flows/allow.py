@@ -1,10 +1,6 @@
-"""The served door, flow side: the operator's policy (training/policy.py), built once from
-`gpuflow serve`'s options, and applied to every flow's parameters as the flow is entered
-(flows/calls.py `entered`, before validation reads any file) and to every session's.
-
-Only a run of a served deployment is checked: a local `gpuflow run` is the user's own shell.
-`gpuflow serve` hands the policy to the runs it starts, and so to their children (the
-evaluation child checks what it reads back from a checkpoint), through `POLICY_ENV`.
+"""The operator's policy (training/policy.py) for served deployments' runs, built from `gpuflow serve`'s
+options and applied to each flow's parameters on entry (flows/calls.py `entered`); a local run is not checked.
+Serve hands it to its runs and their children through `POLICY_ENV`.
 """
 
 from __future__ import annotations
@@ -19,8 +15,7 @@ from .settings import Settings
 
 
 def operator_policy(settings: Settings) -> Policy:
-    """The policy of `gpuflow serve`'s options; its own tracking store (MLFLOW_TRACKING_URI, else
-    mlflow.db in serve's folder) is always allowed."""
+    """The policy of `gpuflow serve`'s options; serve's own tracking store is always allowed."""
     from gpuflow.tasks.tracking.store import default_tracking_uri
     from gpuflow.training.uris import absolute_uri
 
@@ -43,7 +38,6 @@ def current_policy(settings: Settings | None = None) -> Policy | None:
 
 
 def check_allowed(params, settings: Settings | None = None) -> None:
-    """Refuse, in a deployment run, references, paths and stores outside the operator's policy
-    (`params`: a flow's parameters, validated or as the caller sent them)."""
+    """In a deployment's run, refuse `params` (a flow's, validated or as sent) naming what the policy does not allow."""
     if policy := current_policy(settings):
         policy.check_params(params)

@@ -1,16 +1,6 @@
-"""The Prefect API a `gpuflow` command uses when no server is set (PREFECT_API_URL unset).
-
-Prefect's own ephemeral API runs in this terminal's process group, so a Ctrl-C (or a SIGTERM to
-the group) stopped it first and left the flow unable to record its end. This one is the same
-`prefect server start` a user would run, on a free 127.0.0.1 port, in a session of its own:
-only the flow is interrupted, ends its run, then stops the server. It dies with this process.
-
-Every such server on a PREFECT_HOME shares its `prefect.db`, and each migrates it as it starts:
-they start one at a time, under a file lock beside the database, held until the one starting
-answers (so its migrations are done); the kernel drops the lock if its holder dies.
-
-They share concurrency leases the same way: in PREFECT_HOME, not in one server's memory, so a
-device slot taken through one server is released (or expires) through any other on that home.
+"""The temporary Prefect API of a `gpuflow` command when PREFECT_API_URL is unset: `prefect server start` in a
+session of its own, so a Ctrl-C stops the flow (which records its end) before the server. Servers on one
+PREFECT_HOME start one at a time (each migrates the shared database) and keep concurrency leases in that home.
 """
 
 from __future__ import annotations
@@ -32,7 +22,7 @@ from typing import IO, Iterator
 from gpuflow.training.reaper import start_supervised, stop_supervised
 
 STARTUP_TIMEOUT_ENV = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"  # Prefect's own name, read by both
-STARTUP_TIMEOUT_DEFAULT_S = 180  # a `prefect server start` takes ~10 s when idle, far more on a busy host
+STARTUP_TIMEOUT_DEFAULT_S = 180  # a busy host starts a server far slower than an idle one
 # Prefect's default keeps leases in the memory of the server that granted them, unseen by the others on a home.
 SERVER_DEFAULTS = {"PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE": "prefect.server.concurrency.lease_storage.filesystem",
                    # `prefect deployment run --watch` shows the run's log lines (its reason when it fails)
@@ -45,8 +35,7 @@ def startup_timeout() -> float:
 
 
 def server_environment() -> dict[str, str]:
-    """The environment for a Prefect server that gpuflow starts: this one, with SERVER_DEFAULTS
-    for the settings it does not set."""
+    """The environment for a Prefect server gpuflow starts: this one, with SERVER_DEFAULTS for what it does not set."""
     return {**SERVER_DEFAULTS, **os.environ}
 
 
@@ -57,8 +46,7 @@ def _free_port() -> int:
 
 
 def http_status(url: str, authorization: str | None = None, timeout: float = 2) -> int | None:
-    """The HTTP status of a GET of `url` (with that Authorization header); None while nothing
-    answers. How gpuflow sees that a server it started is up: the temporary API, the stack."""
+    """The HTTP status of a GET of `url` (with that Authorization header); None while nothing answers."""
     headers = {"Authorization": authorization} if authorization else {}
     try:
         with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout) as r:

@@ -1,15 +1,6 @@
-"""What every gpuflow flow does when it is called, whoever calls it: the `gpuflow` CLI, a
-deployment, or a Prefect user's own flow (`train_pipeline(...)` as a subflow).
-
-- In a served deployment's run, everything the values name passes the operator's door first.
-- Bad values are refused as one line naming each value (`InvalidParameters`, a `UserError`),
-  not as pydantic's multi-line report.
-- MLflow's INFO chatter and artifact progress bars stay out unless asked for
-  (`MLFLOW_LOGGING_LEVEL`, `MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR`,
-  `MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT`), as on the CLI.
-- A Ctrl-C nothing catches ends a user's own flow with one line, not a traceback.
-- A flow run on Prefect's own temporary API (no `PREFECT_API_URL`) is told that Ctrl-C stops
-  that API before the flow can record its end, and how to avoid it (`prefect_api()`).
+"""What every gpuflow flow does when called, by the CLI, a deployment or a user's own flow: the operator's policy
+in served runs, bad values refused in one line (`InvalidParameters`), MLflow kept quiet, a Ctrl-C ended in one
+line, and a warning when it runs on Prefect's own temporary API.
 """
 
 from __future__ import annotations
@@ -38,8 +29,7 @@ class InvalidParameters(UserError, ValueError):
 
 
 def cut(text: str, keep: int = SHOWN) -> str:
-    """`text`, or its start and end around how much was left out: a refusal stays one readable
-    line (and keeps its fix, at the end) whatever size the value it echoes."""
+    """`text`, or its start and end around how much was cut: a refusal stays one line and keeps its fix."""
     if len(text) <= 2 * keep:
         return text
     return f"{text[:keep]} ...[{len(text) - 2 * keep} characters cut]... {text[-keep:]}"
@@ -71,10 +61,7 @@ def quiet_libraries() -> None:
 
 
 class UserErrorOnce(logging.Filter):
-    """A user error raised inside a flow (or a training failure, whose output was streamed
-    already) reaches the console once, as gpuflow's one line: Prefect's tracebacks and
-    failure states repeating it are dropped there (not in the Prefect UI, whose log handler
-    this filter is not on)."""
+    """Drops console records repeating a user error or training failure already said in gpuflow's one line."""
 
     def __init__(self):
         super().__init__()
@@ -102,9 +89,7 @@ _SAID = False  # this process's handlers have the filter
 
 
 def said_once_in_a_deployment_run(e: BaseException) -> None:
-    """A deployment's run (served, or a node's) that fails on a user error or a training failure
-    says why in one line under its own name: in the serve terminal, in `prefect deployment run
-    --watch` and in the UI's logs, none of which show Prefect's tracebacks repeating it."""
+    """In a deployment's run, log why it fails (a user error or a training failure) once, in one line."""
     from prefect import get_run_logger
     from prefect.context import FlowRunContext
 
@@ -122,8 +107,7 @@ INTERRUPTED = "gpuflow: interrupted; the training it started has stopped"
 
 
 def interrupted_in_one_line() -> None:
-    """A Ctrl-C that ends the process of a user's own flow (nothing caught it) prints one line,
-    not Python's ~60-line traceback through Prefect's engine."""
+    """A Ctrl-C that ends a user's own flow's process prints one line, not a traceback through Prefect's engine."""
     previous = sys.excepthook
     if getattr(previous, "gpuflow", False):
         return
@@ -147,15 +131,13 @@ def warn_on_prefects_temporary_api() -> None:
               "PREFECT_API_URL to a server", file=sys.stderr, flush=True)
 
 
-# Parameters a caller validated already (the CLI before any server starts, retrain for its
-# training), which the flow it calls next takes as they are: validated once.
+# Parameters a caller validated already (the CLI, retrain), which the flow it calls next takes as they are.
 _VALIDATED: contextvars.ContextVar[BaseModel | None] = contextvars.ContextVar("gpuflow_validated", default=None)
 
 
 @contextlib.contextmanager
 def validated_once(params: BaseModel) -> Iterator[None]:
-    """The next flow entered in this block with `params`' model takes `params` without validating
-    its values again (the caller passes the same values)."""
+    """The next flow entered in this block with `params`' model takes `params` without validating them again."""
     token = _VALIDATED.set(params)
     try:
         yield
@@ -164,9 +146,8 @@ def validated_once(params: BaseModel) -> Iterator[None]:
 
 
 def entered(model: type[BaseModel], values: dict) -> BaseModel:
-    """A flow's first step: in a served run, the operator's door (flows/allow.py) on the values as
-    sent, before validation reads a file or imports code; then its parameters validated (or taken
-    from `validated_once`), and the same defaults for every caller."""
+    """A flow's first step: the operator's policy on the values as sent (before validation reads a file),
+    then its parameters validated or taken from `validated_once`."""
     from .allow import check_allowed
 
     check_allowed(values)
@@ -189,12 +170,8 @@ def _schema_type(field) -> Any:
 
 
 def flat_parameters(model: type[BaseModel]) -> Callable[[Callable[[Any], Any]], Callable[..., Any]]:
-    """Give `fn(params: model)` the flat keyword signature of `model`'s user fields.
-
-    Prefect builds a flow's parameters, its UI form and its deployments' defaults from the
-    function's signature and docstring; this sets both from the one declaration, and the
-    call validates the values once, by building `model` (flows/calls.py: one line per bad value).
-    """
+    """Give `fn(params: model)` the flat keyword signature of `model`'s fields, and their descriptions as Args
+    (Prefect builds a flow's parameters and UI form from them); the call validates the values once."""
     fields = model.model_fields
 
     def wrap(fn: Callable[[Any], Any]) -> Callable[..., Any]:

@@ -1,7 +1,5 @@
-"""The champion/challenger rule, for retrain and sweep alike: a new version is evaluated with the
-champion on the same held-out data and device, and `champion` moves to it only when it is strictly
-better by the metric's mode (training/judged.py); a script's model, which gpuflow cannot evaluate,
-becomes champion only where there is none. Each version says why in its outcome tag.
+"""The champion/challenger rule of retrain and sweep: `champion` moves to a new version only when it is strictly
+better on the same held-out data and device; a script's model becomes champion only where there is none.
 """
 
 from __future__ import annotations
@@ -23,8 +21,7 @@ if TYPE_CHECKING:
 
 
 def compared(metric: str, evaluation: dict) -> tuple[str, str]:
-    """(the metric compared, "min" or "max"): `auto` is the objective's own (accuracy for
-    classification); loss is lower-is-better, accuracy higher; others follow the objective."""
+    """(the metric compared, "min" or "max"), `auto` being the evaluation's monitor; UserError if it reports none."""
     if metric == "auto":
         metric = evaluation["monitor"]
     mode = mode_of(metric, evaluation["monitor"], evaluation.get("mode", "min"))
@@ -81,8 +78,7 @@ def compare_with_champion(params: RetrainParams, client, challenger_v: str, run_
 
 
 def offer_unevaluated(client, name: str, version: str) -> bool:
-    """A version gpuflow cannot evaluate (a script's model): champion only where there is none;
-    else kept beside it, its outcome tag saying to compare them yourself. Returns whether promoted."""
+    """Promote a version gpuflow cannot evaluate (a script's model) only where there is no champion; whether it was."""
     champion = champion_version(client, name)
     if champion is None:
         promote(client, name, version)

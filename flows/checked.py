@@ -1,6 +1,5 @@
-"""gpuflow's public flows: Prefect flows whose keyword parameters are one model's fields
-(flows/calls.py `flat_parameters`), and whose callers hear of a misspelled keyword in one
-line with the name they meant, before Prefect binds the call."""
+"""gpuflow's public flows: Prefect flows whose keywords are one model's fields, a misspelled one refused in one
+line that names the closest."""
 
 from __future__ import annotations
 

@@ -93,8 +93,7 @@ SERVICES = {
 
 
 def run_service(command: str, settings) -> int:
-    """Serve in this process, or run the Prefect server or MLflow UI under the reaper: stopping
-    gpuflow (Ctrl-C, SIGTERM, kill -9) stops the server and everything it started."""
+    """Run a service in the foreground: stopping gpuflow (Ctrl-C, SIGTERM, kill -9) stops all it started."""
     from gpuflow.training.reaper import run_supervised
 
     if command == "stack":
@@ -192,9 +191,7 @@ def load(command: str, model: type[BaseModel]) -> typing.Callable[[dict], dict]:
 
 
 def imports_done() -> None:
-    """Started as `gpuflow` (flows/__main__.py), the imports ran with the cyclic collector paused:
-    freeze what they built, so that no later collection scans it, and collect as usual from
-    here. A caller that imports this module keeps its collector as it is."""
+    """Under `gpuflow` (imports with the collector paused: flows/__main__.py), freeze what they built; collect again."""
     if not gc.isenabled():
         gc.freeze()
         gc.enable()
@@ -218,8 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         if command in SERVICES:
             imports_done()
             return run_service(command, checked)
-        # Ctrl-C stops a run even where its starter ignored SIGINT (`cmd &` in a script, some CI
-        # runners): children inherit an ignored SIGINT, and Python keeps it ignored.
+        # Ctrl-C stops a run even where its starter ignored SIGINT (`cmd &`, some CI runners), as children inherit it
         signal.signal(signal.SIGINT, signal.default_int_handler)
         # Prefect ends the flow run on SIGTERM, then calls this handler: a normal exit (143)
         exit_on_sigterm()
@@ -248,9 +244,7 @@ def main(argv: list[str] | None = None) -> int:
 
         if not api_lost(e):
             raise
-        # The run has ended (FAILED, nothing registered) and its processes are gone. Prefect's
-        # exit hooks would now retry every event it still holds against the dead API, ~7 s
-        # each, for minutes: end here instead, as a lost API must end the command.
+        # The run has ended; Prefect's exit hooks would retry every held event against the dead API for minutes
         print(f"gpuflow {command}: {lost_api_message(e)}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(1)

@@ -1,13 +1,5 @@
-"""Who may use the team stack's servers: one credential, made at its first start, kept beside its data.
-
-    <data>/credentials.env    PREFECT_API_AUTH_STRING=gpuflow:<password>
-                              MLFLOW_TRACKING_USERNAME=gpuflow
-                              MLFLOW_TRACKING_PASSWORD=<password>
-
-The file is the stack account's alone (0600). Prefect's and MLflow's clients read these variables
-themselves, so a client loads the file into its environment (`set -a; . credentials.env; set +a`)
-and changes nothing else. The servers get the same values: Prefect's server as
-PREFECT_SERVER_API_AUTH_STRING, MLflow's basic-auth app as its admin user.
+"""The team stack's one credential, made at its first start and kept in <data>/credentials.env (0600): the
+variables Prefect's and MLflow's clients read (`set -a; . credentials.env; set +a`); the servers get the same.
 """
 
 from __future__ import annotations

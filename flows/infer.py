@@ -1,9 +1,5 @@
-"""A registered model on one chosen device: its loss and metrics on a split (`gpuflow evaluate`,
-the evaluate-model flow), or its predictions for a file of inputs, a tensor or named tensors
-(`gpuflow infer`; training/evaluate.py `load_inputs` says which files).
-
-Both run the model in a child process that sees only the assigned device and report through
-a JSON file; `--gpus` has `gpuflow run`'s grammar ('3,' is physical GPU 3).
+"""A registered model on one device: its loss and metrics on a split (`gpuflow evaluate`, the evaluate-model
+flow) or its predictions for a file of inputs (`gpuflow infer`), in a child process that sees only that device.
 """
 
 from __future__ import annotations

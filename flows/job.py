@@ -1,18 +1,6 @@
-"""One function runs a training job, whatever starts it: `run_job(launcher, placement)`.
-
-    run_job(Worker(params))                               # train-pipeline on this host
-    run_job(Script(params))                               # train-script
-    run_job(Worker(p), Placement(slot=False, name=..., on_metrics=..., stop=...))   # a sweep's trial
-    run_job(Worker(p), Placement(node=job))               # one machine's part of a placed run
-
-It enters the training session (allowlist, device slot, probe, assign, card locks), lets the
-launcher prepare, opens or joins the one MLflow run, asks the launcher to train, and, on the
-process that holds global rank 0, has the launcher log the results and register the model.
-A launcher (flows/launchers.py) says what trains; the Placement says where and in which run.
-The parents of jobs (a placed run's, a sweep's) open their runs here too: `parent_run`.
-
-A new placement is a new Placement value: which slot, which run (`name`, `tags`, `node`), and what
-the launch is given (`stop`, `on_metrics`, `cwd`); `on_run` and `on_stopped` are its hooks.
+"""One function runs every training job, whatever starts it: `run_job(launcher, placement)`. The launcher
+(flows/launchers.py) says what trains; the Placement says where and in which MLflow run. The parents of jobs
+(a placed run's, a sweep's) open their runs here too: `parent_run`.
 """
 
 from __future__ import annotations
@@ -91,9 +79,8 @@ PLACED_RESULT = Path("placement/result.json")  # a placed run's outcome, in its 
 
 @contextmanager
 def job_run(s: Session, launcher, where: Placement, dataset: dict | None) -> Iterator[tracked.TrackedRun | None]:
-    """The job's MLflow run: a new one, named as the flow run (or `where.name`), with the plan's tags
-    and the environment and plan artifacts, ended FINISHED, FAILED or KILLED whatever happens; on a
-    node of a placed run, the parent's (which the parent ends); none on a node started by hand."""
+    """The job's MLflow run: a new one, ended FINISHED, FAILED or KILLED whatever happens; on a placed run's node
+    the parent's (which the parent ends); None on a node started by hand."""
     p = launcher.params
     if where.node:
         yield attach(s, p, where.node)

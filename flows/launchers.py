@@ -1,11 +1,5 @@
-"""What trains, for flows/job.py: gpuflow's own worker, or a user's torchrun script.
-
-A launcher knows its parameters, the name stem and tags of its runs, its data step, how to
-launch on a session's devices into a run's folder, and what a finished run logs and registers.
-Where it runs (this host, a sweep's slot, a node of a placed run) is the job's placement.
-
-A new launcher writes: `params`, `stem`, `tags`, `node_flow`, `prepare(s)`, `launch(...)`
-returning an Outcome, and `finish(run, outcome, registered, how)` returning the version.
+"""What trains, for flows/job.py: gpuflow's own worker, or a user's torchrun script. A launcher has `params`,
+`stem`, `tags`, `node_flow`, `prepare(s)`, `launch(...)` returning an Outcome, and `finish(...)` returning the version.
 """
 
 from __future__ import annotations
@@ -41,8 +35,7 @@ def dataset_label(dataset: str) -> str:
 
 
 def stem(values: dict) -> str:
-    """The stem of a run's name, from its parameters as given: <script> for a script's run,
-    else <model>-<dataset> (the one rule for runs, flow runs and sweeps' default study names)."""
+    """The stem of a run's (and flow run's, and default study's) name: <script>, else <model>-<dataset>."""
     if values.get("script"):
         return Path(values["script"]).stem
     return f"{dataset_label(values.get('model', 'mlp'))}-{dataset_label(values.get('dataset', 'digits'))}"
@@ -50,9 +43,8 @@ def stem(values: dict) -> str:
 
 @dataclass
 class Outcome:
-    """What a launch gave back: rank 0's result (the worker's results JSON, or the script's collected
-    outputs); `rank0` False on a node whose processes did not hold global rank 0; `stopped` when
-    its stop was set (a sweep's pruner, or the sweep stopping)."""
+    """What a launch gave back: rank 0's result; `rank0` False on a node without global rank 0; `stopped` when
+    its stop was set."""
 
     result: dict = field(default_factory=dict)
     rank0: bool = True

@@ -1,20 +1,6 @@
-"""One run on several machines, placed through a Prefect work pool.
-
-    gpuflow node --pool gpuflow-nodes          # on each machine: its queue, and a worker on it
-    gpuflow run --nodes 2 --gpus 4 ...         # anywhere: one run on two of those machines
-
-Each machine serves one queue of the pool (named after it, concurrency 1) with a Prefect
-process worker. The parent flow (train-pipeline or train-script with nodes > 1) opens the MLflow
-run, picks machines whose queue a worker polls, and starts one node flow run on each queue. A
-node is a placement of the one job function (flows/job.py): it probes and assigns its own cards
-and holds their locks as a single-machine run does, joins the rendezvous (flows/rendezvous.py)
-and the parent's run. The node whose processes hold global rank 0 (torchrun decides) relays the
-metrics, logs the results, registers the model, and logs its result into the run, where the
-parent reads it once every node has completed.
-
-A node that fails, or never starts (no worker polls its queue), fails the run with the node
-named; the parent cancels the others, and a node whose peers are gone stops within a second
-(c10d). Nothing keeps training alone. Restarts are off across machines: run it again.
+"""One run on several machines (`gpuflow run --nodes N`), placed through a Prefect work pool that each machine
+serves with `gpuflow node`: the parent opens the MLflow run and starts a node flow run on each machine's queue;
+a node that fails or never starts fails the run (the others cancelled), unless a spare may replace it.
 """
 
 from __future__ import annotations
@@ -27,7 +13,6 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
-
 from prefect.variables import Variable
 
 from gpuflow.tasks.launch import TrainingFailed
@@ -36,10 +21,9 @@ from gpuflow.training.contract import RunFolder
 from gpuflow.training.uris import absolute_uri
 from gpuflow.training.errors import UserError
 
-from .calls import one_line
+from .calls import flat_parameters, one_line
 from .job import PLACED_RESULT, Placement, parent_run, run_job
 from .launchers import Script, Worker
-from .calls import flat_parameters
 from .params import PipelineParams, ScriptParams
 from .rendezvous import POLL_S, NodeFailed, NodeJob, as_a_node, node_name, variable
 from .watch import watch
@@ -56,10 +40,8 @@ class NodeParams(PipelineParams):
 
 
 def place(launcher) -> dict:
-    """The parent's part of a run with nodes > 1: machines picked, one MLflow run, the nodes started
-    and watched until every one has ended; rank 0's node's result, read from the run. A machine lost
-    (up to max_node_failures) is replaced by a spare of the pool: every node of the new round resumes
-    from the checkpoint of the run's last logged epoch, in the same run."""
+    """The parent's part of a run with nodes > 1: one MLflow run, its nodes started and watched until all end, a
+    lost machine (up to max_node_failures) replaced by a spare resuming from the last logged epoch; rank 0's result."""
     params, log = launcher.params, get_run_logger()
     job = flow_run.get_id() or os.urandom(8).hex()
     name = current_name(params.run_name, launcher.stem)
@@ -156,8 +138,7 @@ def start_node(params, job: NodeJob, flow_name: str):
     """The node's flow run on its machine's queue; returned at once (the parent watches it)."""
     from prefect.deployments import run_deployment
 
-    # the parameters as given, so that paths resolve on the node (data/ and runs/ are the node's own);
-    # the store is the parent's, which every node logs into
+    # the parameters as given, so that paths resolve on the node; the store is the parent's, which every node logs into
     values = dict(flow_run.get_parameters()) | {"tracking_uri": absolute_uri(params.tracking_uri),
                                                  "job": job.model_dump()}
     return run_deployment(f"{flow_name}/{params.node_pool}", parameters=values, timeout=0,

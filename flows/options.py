@@ -52,8 +52,7 @@ def add_field(p: argparse.ArgumentParser, name: str, field) -> None:
                        metavar="JSON", help=help_)
     else:
         base = next((a for a in (kind, *args) if a in (int, float, str)), str)
-        p.add_argument(flag, dest=name, type=base, metavar=name.upper(), help=help_,
-                       required=field.is_required())
+        p.add_argument(flag, dest=name, type=base, metavar=name.upper(), help=help_, required=field.is_required())
 
 
 def add_model(p: argparse.ArgumentParser, model: type[BaseModel]) -> None:

@@ -1,12 +1,6 @@
-"""Every parameter of gpuflow's flows, declared once: type, default, bounds and help.
-
-A flow's parameters are composed of parts, each declared beside the code that reads it:
-training (training/config.py Training), devices (tasks/devices/assign.py Devices), launch, nodes
-and a script (tasks/launch.py Launch, Nodes, ScriptFile, ScriptArgs; tasks/scriptout.py Collect)
-and tracking (here); a flow adds only its own fields. The
-flows' signatures (so the Prefect UI form and the deployments), the `gpuflow` CLI options and
-the validation all derive from these models; `worker_config` builds the worker's config from
-them. Parameters are flat on purpose: `-p epochs=3` and `--epochs 3` name fields directly.
+"""Every parameter of gpuflow's flows, declared once (type, default, bounds, help) in parts beside the code that
+reads them; the flows' signatures, the CLI options and the validation derive from these models. Parameters are
+flat on purpose: `-p epochs=3` and `--epochs 3` name fields directly.
 """
 
 from __future__ import annotations
@@ -42,8 +36,7 @@ def check_name(v: str) -> str:
 
 
 def check_tracking_uri(v: str | None) -> str:
-    """The store's URI; unset, resolved here once for the whole run (MLFLOW_TRACKING_URI, else
-    mlflow.db in the working folder)."""
+    """The store's URI; unset, resolved once here for the whole run (MLFLOW_TRACKING_URI, else ./mlflow.db)."""
     if v is None:
         from gpuflow.tasks.tracking.store import default_tracking_uri
 
@@ -134,9 +127,8 @@ class PipelineParams(Tracking, Nodes, Launch, Devices, Training):
 
 def worker_config(params: PipelineParams, plan: DevicePlan, data: DatasetInfo | None = None,
                   folder: RunFolder | None = None) -> TrainConfig:
-    """The worker's config, from the request, the plan, the prepared data and the run's folder (the
-    data step and the preflight read it before the run has a folder). References to the user's code
-    import from the folder the flow runs in."""
+    """The worker's config from the request, the plan, the prepared data and the run's folder (none yet for the
+    data step and the preflight); the user's code imports from the folder the flow runs in."""
     return TrainConfig(
         **params.model_dump(include=set(Training.model_fields)), dist_timeout_s=params.dist_timeout_s,
         strategy=plan.strategy, device=plan.device,
@@ -233,8 +225,7 @@ class SweepParams(Sweep, RetrainParams):
 
     @model_validator(mode="after")
     def _space_and_cards(self):
-        """The space and the trials' cards, checked before a server starts or a trial runs (in a
-        served run, after the door: flows/calls.py `entered`)."""
+        """The space and the trials' cards, checked before a server starts or a trial runs."""
         if self.nodes > 1 or self.nnodes > 1:
             raise ValueError("a sweep's trials each run on this machine; drop nodes/nnodes")
         if self.storage:

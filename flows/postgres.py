@@ -1,7 +1,5 @@
-"""The stack's own PostgreSQL (flows/stack.py): a cluster in <data>/postgres under the reaper, on a
-private Unix socket with peer authentication, its databases owned by ROLE, which is no superuser;
-or the databases on a server given by --database-url. Run as root, PostgreSQL runs as the
-`postgres` system user."""
+"""The stack's PostgreSQL (flows/stack.py): its own cluster in <data>/postgres under the reaper, on a private Unix
+socket with peer authentication, its databases owned by ROLE (no superuser); or a server given by --database-url."""
 
 from __future__ import annotations
 
@@ -26,10 +24,10 @@ READY_S = 180  # how long PostgreSQL may take to accept connections
 
 
 def as_postgres(cmd: list[str]) -> list[str]:
-    """PostgreSQL refuses to run as root: then its tools run as the `postgres` system user. setpriv
-    execs the command (runuser stays between, and kills PostgreSQL two seconds after passing on a stop)."""
+    """`cmd`, as the `postgres` system user when root (PostgreSQL refuses to run as root)."""
     if os.geteuid() != 0:
         return cmd
+    # setpriv execs the command; runuser would stay between and kill PostgreSQL soon after passing on a stop
     return ["setpriv", "--reuid=postgres", "--regid=postgres", "--init-groups", "--", *cmd]
 
 
@@ -126,8 +124,7 @@ class Cluster:
         return f"postgresql://{ROLE}@/?host={urllib.parse.quote(str(self.socket), safe='/')}"
 
 
-# The objects a stack made before ROLE existed (its superuser's) go to ROLE: tables first, as
-# they take their own sequences along; members of extensions stay where the extension put them.
+# Objects an older stack's superuser made go to ROLE: tables first (they take their sequences); extensions' stay.
 HAND_OVER = f"""
 DO $$
 DECLARE r record;

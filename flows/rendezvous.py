@@ -1,8 +1,5 @@
-"""A node's side of a placed run (flows/nodes.py places it): which node it is, and the rendezvous.
-
-Node 0 hosts the rendezvous store: it picks a free port on its address and publishes the endpoint
-as a Prefect Variable (the natural shared store of the nodes: nobody types it), which the other
-nodes read. torchrun's c10d rendezvous then gives the global ranks.
+"""A node's side of a placed run (flows/nodes.py): which node it is, and the rendezvous, whose endpoint node 0
+publishes as a Prefect Variable for the others; torchrun's c10d rendezvous then gives the global ranks.
 """
 
 from __future__ import annotations
@@ -106,10 +103,8 @@ def node_name() -> str:
 
 
 def as_a_node(fn):
-    """Run the node's flow in the folder `gpuflow node` serves from (the worker would use a temporary
-    one), before its parameters resolve their paths there. A failure any machine would repeat (bad
-    values, or a rank's deterministic error: training/contract.py) ends the node's run in the state
-    WOULD_REPEAT, which tells the parent to take no spare for it."""
+    """Run the node's flow in the folder `gpuflow node` serves from; a failure any machine would repeat ends its
+    run in the state WOULD_REPEAT, which tells the parent to take no spare for it."""
     from prefect.states import Failed
 
     def run(**values):

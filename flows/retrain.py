@@ -1,8 +1,5 @@
-"""Scheduled retraining: train a challenger, compare it with the champion, promote if better.
-
-Both models are evaluated by the same child process code, on the same held-out split, on a
-device picked by the same assignment. The `champion` alias moves only when the challenger
-is strictly better (the first run promotes); a failed step moves nothing.
+"""Scheduled retraining: train a challenger, compare it with the champion (flows/champion.py), promote if better;
+a failed step moves nothing.
 """
 
 from __future__ import annotations

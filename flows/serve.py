@@ -1,15 +1,5 @@
-"""Deployments, declared apart from the flow code, served by one process.
-
-    make server          # terminal 1: `gpuflow server`, Prefect on 127.0.0.1:4200
-    make serve           # terminal 2: `gpuflow serve`, this module
-    .venv/bin/prefect deployment run 'train-pipeline/ddp' -p epochs=3 --watch
-
-Deployments: train-pipeline/ddp, train-pipeline/dp, retrain/nightly (cron from
-GPUFLOW_RETRAIN_CRON, default 02:00 every day, in GPUFLOW_TIMEZONE, default UTC),
-evaluate-model/evaluate, train-script/default and sweep/default; `gpuflow node` serves
-train-node and script-node on a machine's queue. Addresses and the schedule are settings
-(gpuflow/flows/settings.py). Runs on this host share one global concurrency limit, so a
-scheduled retrain and a manual run never train at once: the second waits for the first.
+"""Deployments, declared apart from the flow code and served by one process (`gpuflow serve`); `gpuflow node` serves
+the node flows on a machine's queue. Runs on one host share a global concurrency limit: they never train at once.
 """
 
 from __future__ import annotations
@@ -72,13 +62,9 @@ def ensure_device_limit(limit: int = 1) -> str:
 
 
 def interrupt_on_ctrl_c() -> None:
-    """Ctrl-C raises KeyboardInterrupt wherever the serving loop is, and serve() shuts down.
+    """Ctrl-C raises KeyboardInterrupt wherever the serving loop is, and serve() shuts down."""
 
-    Under asyncio.run's own SIGINT handling the first Ctrl-C only cancels the runner's main
-    task, and the serve process did not return; a handler of our own keeps asyncio from
-    installing that one.
-    """
-
+    # asyncio.run's own handler only cancels the runner's main task (serve did not return); ours keeps it out
     def handler(signum, frame):
         raise KeyboardInterrupt
 
@@ -106,17 +92,14 @@ if __name__ == "__main__":
 
 
 def serve_node(service: NodeService) -> int:
-    """The pool (process type), this machine's queue (one job at a time) and the node flows'
-    deployments made if missing, then a Prefect worker on the queue in the foreground, in this
-    folder: runs placed here read and write paths as a run started here would."""
+    """The pool, this machine's queue (one job at a time) and the node deployments made if missing, then a Prefect
+    worker on the queue in the foreground, in this folder: placed runs resolve paths as a run started here would."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import WorkPoolCreate
-    from prefect.deployments.runner import EntrypointType
     from prefect.exceptions import ObjectAlreadyExists
+    from prefect.settings import PREFECT_API_URL
 
     from gpuflow.training.reaper import run_supervised
-
-    from prefect.settings import PREFECT_API_URL
 
     if not PREFECT_API_URL.value():
         raise UserError("a node serves the Prefect server the team shares: set PREFECT_API_URL to it "

@@ -73,9 +73,8 @@ def training_session(params, batch_size: int | None = None, precision: str | Non
 @contextmanager
 def on_one_device(gpus: str, probe: Callable[[], EnvironmentReport] = probe_environment,
                   slot: bool = True) -> Iterator[tuple]:
-    """One device as training takes one, for an evaluation or a prediction: a slot of the host's
-    limit (not for `gpuflow infer`, which has no flow), the device `gpus` names, its card's lock;
-    yields (plan, the locks' descriptors)."""
+    """One device as training takes one (the host's slot unless `slot` is False, the device `gpus` names, its
+    card's lock), for an evaluation or a prediction; yields (plan, the locks' descriptors)."""
     with device_slot() if slot else nullcontext():
         plan = one_device_plan(probe(), gpus)
         with card_locks(plan) as locks:
@@ -91,8 +90,7 @@ def unique_name(stem: str) -> str:
 
 
 def current_name(given: str | None, stem: str) -> str:
-    """The name this flow run started with (its flow_run_name), which the MLflow run takes, so
-    each run is found by one name in both UIs."""
+    """The flow run's name, which the MLflow run takes (one name in both UIs); else `given`, else a unique one."""
     return flow_run.get_name() or given or unique_name(stem)
 
 

@@ -1,10 +1,4 @@
-"""Where gpuflow's servers listen and when it retrains: settings with defaults, each one
-overridable by a `GPUFLOW_<NAME>` environment variable (e.g. GPUFLOW_PREFECT_PORT=4300).
-
-    gpuflow server   a Prefect server (API and UI) on prefect_host:prefect_port
-    gpuflow serve    the deployments, served against that server
-    gpuflow ui       the MLflow UI on mlflow_host:mlflow_port over the tracking store
-
+"""Where gpuflow's servers listen and when it retrains: settings, each overridable by a `GPUFLOW_<NAME>` variable.
 Every address defaults to 127.0.0.1: reachable from another machine only when set so, knowingly.
 """
 
@@ -71,19 +65,15 @@ class NodeService(BaseModel):
 
 
 def server_command(s: Settings) -> list[str]:
-    return [sys.executable, "-m", "prefect", "server", "start", "--host", s.prefect_host,
-            "--port", str(s.prefect_port)]
+    return [sys.executable, "-m", "prefect", "server", "start", "--host", s.prefect_host, "--port", str(s.prefect_port)]
 
 
-# MLflow's server starts a job system for its GenAI features (7 huey consumer processes, ~50
-# polling threads) that gpuflow never uses; on 2 cores their polling took the CPU its calls need
-# (an authenticated call on a freshly started stack: 31 ms with it, 7 ms without; bench/RESULTS.md)
+# MLflow's server starts a job system for GenAI features gpuflow never uses; its polling takes CPU (bench/RESULTS.md)
 MLFLOW_SERVER_DEFAULTS = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
 
 
 def mlflow_server_environment() -> dict[str, str]:
-    """The environment for an MLflow server gpuflow starts: this one, with MLFLOW_SERVER_DEFAULTS
-    for what it does not set."""
+    """The environment for an MLflow server gpuflow starts: this one, with MLFLOW_SERVER_DEFAULTS for what it lacks."""
     return {**MLFLOW_SERVER_DEFAULTS, **os.environ}
 
 

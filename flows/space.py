@@ -10,9 +10,8 @@ from typing import Any, Callable, Iterable, Literal
 import yaml
 from pydantic import BaseModel, ValidationError, model_validator
 
-from gpuflow.training.config import Training
+from gpuflow.training.config import KNOWN_METRICS, Training
 from gpuflow.training.errors import UserError
-from gpuflow.training.config import KNOWN_METRICS
 
 from .calls import one_line
 
@@ -73,8 +72,7 @@ SWEEPABLE = sorted(set(Training.model_fields) - {"resume", "data_root", "downloa
 
 
 def read_space(path: str) -> dict[str, Distribution]:
-    """The space file (YAML or JSON), bounded in size, anchors, parameters and choices, each
-    distribution checked on its own."""
+    """The space file (YAML or JSON), bounded in size, anchors, parameters and choices, each distribution checked."""
     raw = _load(_read_bounded(path), path)
     if not isinstance(raw, dict) or not raw:
         raise SweepError(f"space={path} must map parameter names to distributions, e.g. "

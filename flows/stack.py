@@ -1,27 +1,6 @@
-"""`gpuflow stack`: the servers a team shares, on PostgreSQL.
-
-    gpuflow stack --data /srv/gpuflow            # PostgreSQL made and started in /srv/gpuflow/postgres
-    gpuflow stack --data /srv/gpuflow --database-url postgresql://user@db-host:5432
-
-A Prefect server (API and UI) and an MLflow tracking server that serves the artifacts itself
-(`--serve-artifacts`, stored in <data>/artifacts), both on PostgreSQL, in the foreground until
-Ctrl-C or SIGTERM, which stop them and the database. Both ask for credentials (basic auth: Prefect's
-API auth string, MLflow's basic-auth app), made at the first start and kept in <data>/credentials.env
-(flows/credentials.py). Clients need the two URLs it prints and that file: no database access, no
-shared filesystem.
-
-<data> and all it holds are the stack's account's alone (PostgreSQL's user, when it runs as root, may
-only pass through to its own folders), and one stack at a time runs on it (a lock held by every
-process of the stack). Without --database-url, a PostgreSQL cluster of its own lives in
-<data>/postgres, runs under the reaper (it stops with the stack, however the stack ends), and
-listens on a Unix socket in <data>/socket only, with peer authentication: the stack's account is
-mapped to the role `gpuflow`, which owns the databases and is no superuser, and nobody else gets
-in (flows/postgres.py). Run as root, PostgreSQL runs as the `postgres` system user. With --database-url it uses that
-server's databases `prefect`, `mlflow`, `mlflow_auth` and `optuna` (created if it may). The schemas
-are migrated once before the servers start: servers started together would race on migrations.
-Sweeps keep their Optuna studies in its database `optuna`: the stack publishes that URL in the
-Prefect Variable `gpuflow_sweep_storage` (unless the URL holds a password, which a Variable would show
-to every API user: then pass --storage to the sweep).
+"""`gpuflow stack`: a Prefect server and an MLflow tracking server for a team, on PostgreSQL (flows/postgres.py),
+behind basic-auth credentials (flows/credentials.py), in the foreground until Ctrl-C or SIGTERM; one stack at a
+time on a <data> folder that is its account's alone (docs/machines.md).
 """
 
 from __future__ import annotations
@@ -121,9 +100,7 @@ def mlflow_env(data: Path, url: str, credentials: Credentials) -> dict:
                   f"default_permission = {MLFLOW_DEFAULT_PERMISSION}\n"
                   f"database_uri = {database(url, 'mlflow_auth', 'psycopg')}\n"
                   "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
-                  # a verified password is remembered (HMAC-keyed, per process) for a minute: the
-                  # hash check (scrypt, ~100 ms) otherwise ran on every call. One worker, and the
-                  # stack changes no password: nothing stale to serve (MLflow's basic_auth.ini)
+                  # cached (HMAC-keyed) to skip the slow hash check per call; the stack changes no password
                   f"auth_cache_ttl_seconds = {AUTH_CACHE_TTL_S}\n")
     return dict(mlflow_server_environment(), MLFLOW_AUTH_CONFIG_PATH=str(config),
                 MLFLOW_AUTH_ADMIN_USERNAME=credentials.mlflow_username,
@@ -199,8 +176,7 @@ def serve_stack(s: StackService) -> int:
         procs.append(start_supervised([sys.executable, "-m", "mlflow", "server", "--backend-store-uri", mlflow_db,
                                        "--app-name", "basic-auth",
                                        "--serve-artifacts", "--artifacts-destination", str(data / "artifacts"),
-                                       # one worker: uvicorn's --workers N socket loses TCP_NODELAY, and every
-                                       # kept-alive call then waits out a delayed ACK (Kludex/uvicorn#3149)
+                                       # one worker: --workers N loses TCP_NODELAY (Kludex/uvicorn#3149)
                                        "--host", s.host, "--port", str(s.mlflow_port), "--workers", "1",
                                        "--uvicorn-opts", "--no-access-log",  # a line per call drowned the rest
                                        *(["--allowed-hosts", s.allowed_hosts] if s.allowed_hosts else [])],

@@ -1,10 +1,5 @@
-"""A sweep's Optuna study: where it is kept, opening it (trials a dead sweep left RUNNING failed),
-what counts against the budget, and its record in the parent MLflow run (table, best, plots).
-
-The study is kept in `storage` (default: optuna.db beside the SQLite tracking store; on the team
-stack, the stack's PostgreSQL), so a sweep stopped by Ctrl-C or a crash continues when started
-again with the same `study`: its finished trials are not run again and a trial cut off is marked
-failed.
+"""A sweep's Optuna study: where it is kept (so a stopped sweep continues when started again with the same
+`study`), opening it, what counts against the budget, and its record in the parent MLflow run.
 """
 
 from __future__ import annotations
@@ -31,8 +26,6 @@ from .launchers import stem
 HEARTBEAT_S = 10  # a RUNNING trial whose heartbeat is older than twice this is stale (Optuna)
 
 
-
-
 def study_name(params: SweepParams) -> str:
     return params.study or default_study(params.model_dump())
 
@@ -43,8 +36,8 @@ def default_study(p: dict) -> str:
 
 
 def storage_url(params: SweepParams) -> str:
-    """The study's storage: as given; else optuna.db beside a SQLite tracking store; else the team
-    stack's database (which `gpuflow stack` publishes in a Prefect Variable); else optuna.db here."""
+    """The study's storage: as given; else optuna.db beside a SQLite tracking store; else the team stack's
+    database (a Prefect Variable); else optuna.db here."""
     if params.storage:
         return params.storage
     if db := sqlite_path(params.tracking_uri):
@@ -186,5 +179,3 @@ def plots(study, parent: tracked.TrackedRun) -> None:
             plt.close(fig)
         except Exception as e:  # noqa: BLE001 - too few trials for importances, say: the rest still log
             get_run_logger().info("sweep plot %s not drawn: %s", name, one_line(e))
-
-

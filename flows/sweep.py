@@ -1,26 +1,6 @@
-"""The sweep flow: Optuna samples and prunes; each trial is one more launcher of the training
-session (the same device plan, card locks, MLflow handling and failure lines as a single run),
-nested under one parent MLflow run; the best trial's model is registered and promoted only if
-it beats the champion.
-
-    gpuflow sweep --space sweep.yaml --trials 24 --parallel auto --pruner median
-    prefect deployment run 'sweep/default' -p space=sweep.yaml -p trials=24
-
-The space file names run parameters (and `model_args.<key>`) with their distributions:
-
-    lr: {type: float, low: 1.0e-4, high: 0.1, log: true}
-    batch_size: {type: int, low: 32, high: 256, step: 32}
-    optimizer: {type: choice, values: [adam, sgd]}
-    model_args.hidden: {type: int, low: 32, high: 512, log: true}
-
-A user's script sweeps too: `gpuflow sweep --script train.py --space s.yaml --optimize val_loss --
---lr {lr}`. Each trial runs it as train-script does, `{name}` in its arguments replaced by the
-trial's value (a name without a placeholder is appended as `--name=value`); the metric it logs
-(helper.report, or its own mlflow.log_metric on rank 0) is read from the run as it arrives, and a
-pruned trial's ranks are stopped by the flow: the script needs no Optuna code.
-
-The study (flows/study.py) is kept, so a sweep stopped by Ctrl-C or a crash continues when
-started again with the same `study`; each trial (flows/trial.py) is a run of the training session.
+"""The sweep flow: Optuna samples and prunes trials (flows/trial.py), each a job of the training session nested under
+one parent MLflow run, in a kept study (flows/study.py); the best trial's model is registered and promoted only if
+it beats the champion. docs/sweeps.md has the space file's format and script sweeps.
 """
 
 from __future__ import annotations
@@ -38,7 +18,6 @@ from gpuflow.tasks.devices.slot import device_slot
 from gpuflow.tasks.devices.probe import probe_environment
 from gpuflow.tasks.tracking import orphans, results, store, tracked
 from gpuflow.training.contract import RunFolder
-
 from gpuflow.training.judged import mode_of, monitored
 from gpuflow.training.uris import shown
 
@@ -122,9 +101,8 @@ def run_exists(client, run_id: str) -> bool:
 
 def run_trials(kept: Kept, space: dict[str, Distribution], params: SweepParams, slots: Slots, parent_id: str,
                metric: str, name: str) -> dict[str, dict]:
-    """Ask, run and tell until the budget is met: at most `slots.parallel` at a time, each on a
-    slot of its own, with heartbeats for those running. Stopped from outside (Ctrl-C, SIGTERM,
-    cancel), the trials' ranks are stopped and their trials marked failed (cut off)."""
+    """Ask, run and tell until the budget is met, at most `slots.parallel` at a time, each on a slot of its own;
+    stopped from outside, the trials' ranks are stopped and their trials marked cut off; {run id: result}."""
     from optuna.trial import TrialState
 
     log, study = get_run_logger(), kept.study
@@ -206,8 +184,8 @@ def tell(study, t: Trial, fut: Future, log):
 
 
 def register_best(params: SweepParams, client, summary: dict, name: str, result: dict | None) -> dict:
-    """Register the best trial's model and put it through the champion/challenger rule (flows/champion.py);
-    its `result` as the trial returned it (a best trial of an earlier, resumed sweep: from its run's folder)."""
+    """Register the best trial's model and put it through the champion/challenger rule (flows/champion.py); `result`
+    as the trial returned it, or None to read it from the run's folder."""
     run_id = summary["best_run_id"]
     folder = RunFolder.of(params.runs_dir, run_id)
     result = result or json.loads(folder.result.read_text())

@@ -1,7 +1,5 @@
-"""The training pipeline flow: probe -> assign -> (card locks) data -> preflight ->
-(MLflow run) launch -> log results: gpuflow's worker launched by the one job function (flows/job.py).
-
-Run it with `gpuflow run`, as a deployment, or from Python (gpuflow.flows: train_pipeline).
+"""The training pipeline flow: gpuflow's worker, run by the one job function (flows/job.py); started by
+`gpuflow run`, a deployment, or from Python (gpuflow.flows: train_pipeline).
 """
 
 from __future__ import annotations
@@ -20,9 +18,7 @@ from .session import unique_name
 
 
 def run_name() -> str:
-    """The flow run's name, given when it starts (flow_run_name): the user's run_name, else
-    <model>-<dataset>-<the flow run id's start>. The MLflow run takes the same name, so each
-    run is found by one name in both UIs."""
+    """The flow run's (and MLflow run's) name: the user's run_name, else <model>-<dataset>-<the flow run id's start>."""
     p = flow_run.get_parameters()
     return p.get("run_name") or unique_name(stem(p))
 

@@ -1,7 +1,5 @@
-"""One trial of a sweep: the devices it runs on (a slot of cards, or of CPU processes, that no
-other gpuflow run holds) and the trial itself, one job of flows/job.py on that slot (the same
-device plan, card locks, MLflow handling and failure lines as a single run), its per-epoch
-metric reported to Optuna's pruner as it arrives.
+"""One trial of a sweep: its slot (cards, or CPU processes, no other gpuflow run holds) and the trial itself, one
+job of flows/job.py on that slot, its per-epoch metric reported to Optuna's pruner as it arrives.
 """
 
 from __future__ import annotations
@@ -27,9 +25,9 @@ from .launchers import Script, Worker
 from .params import PipelineParams, ScriptParams, SweepParams
 from .space import SweepError, with_values
 
+
 def check_cards(params: SweepParams, report: EnvironmentReport) -> None:
-    """The cards `gpus` asks for, checked as `gpuflow run` checks them (tasks/devices/assign.py), before
-    any trial: on a host without usable GPUs they are refused, never trained on the CPU instead."""
+    """The cards `gpus` asks for, checked as `gpuflow run` checks them: refused on a host without usable GPUs."""
     if params.gpus not in ("auto", "cpu"):  # busy cards are no refusal: the sweep waits for them
         assign_devices_for(report, Devices(gpus=params.gpus, skip_busy=False), batch_size=None)
 
@@ -46,13 +44,12 @@ class Slot:
 
 
 class Slots:
-    """Trials' devices: groups of `gpus_per_trial` cards that no other gpuflow run holds (the card
-    locks decide, as for any run), or on a host without a GPU, CPU slots (lock files in the same
-    folder: `<host>-cpu<k>.lock`). A card or slot held elsewhere is never given: the sweep waits."""
+    """Trials' devices: groups of `gpus_per_trial` cards no other gpuflow run holds (the card locks decide), or on a
+    host without a GPU, CPU slots (`<host>-cpu<k>.lock`); one held elsewhere is never given: the sweep waits."""
 
     def __init__(self, params: SweepParams, report: EnvironmentReport, probe=probe_environment):
         check_cards(params, report)
-        self.params, self.report, self.probe = params, report, probe
+        self.probe = probe
         visible = report.visible_physical_ids()
         self.gpu = bool(visible) and params.gpus != "cpu"
         self.per_trial = params.gpus_per_trial if self.gpu else (params.cpu_processes or 1)
@@ -151,10 +148,8 @@ def reporter(t: Trial, params: SweepParams, metric: str):
 
 
 def run_trial(t: Trial, params: SweepParams, parent_id: str, metric: str, study_name: str) -> float | None:
-    """One trial as one job (flows/job.py) on its slot, nested under the sweep's run; its per-epoch
-    metric reported to the pruner as it arrives (a script may log it itself: then read from the run).
-    A script's trial runs in a working folder of its own. Returns the metric's final value, or None
-    when pruned (its run FINISHED, tagged sweep.pruned); a trial stopped with its sweep is KILLED."""
+    """One trial as one job on its slot, nested under the sweep's run, its metric reported to the pruner as it
+    arrives; the metric's final value, or None when pruned (run FINISHED, tagged sweep.pruned)."""
     name = f"{study_name}-t{t.trial.number}"
     slot = {"gpus": t.slot.gpus, "cpu_processes": t.slot.processes, "run_name": name}
     if params.script:
@@ -194,12 +189,9 @@ def run_trial(t: Trial, params: SweepParams, parent_id: str, metric: str, study_
     return float(final[metric])
 
 
-
 def own_folder(project: Path, work: Path, collect: list[str]) -> Path:
-    """A script trial's working folder: each entry of the project folder linked in, so data, configs
-    and code resolve as from the project, except checkpoints, what `collect` names and the folder
-    holding the trial's own: what a script saves and resumes from at a fixed relative path (the DDP
-    tutorial's snapshot.pt, nanoGPT's out/) is this trial's alone, written and read here."""
+    """A script trial's working folder: the project's entries linked in, except checkpoints, what `collect` names
+    and the folder holding `work`, so what a script saves at a fixed relative path is the trial's alone."""
     work.mkdir(parents=True, exist_ok=True)
     own = {Path(p).parts[0] for p in collect if Path(p).parts}
     for entry in project.iterdir():

@@ -92,9 +92,8 @@ def relay_logs(client, runs: dict, seen: set, log) -> None:
 
 
 def cancel(client, runs: dict) -> list[str]:
-    """Cancel every node not yet ended: its worker stops the processes. A node whose machine is gone
-    has no worker left to do so: after the grace its run is marked Cancelled, so none stays open.
-    Returns those nodes."""
+    """Cancel every node not yet ended; those whose machine did not answer within the grace are marked Cancelled
+    and returned."""
     from prefect.states import Cancelled, Cancelling
 
     def open_runs():
