@@ -79,8 +79,6 @@ def one_recovery(cluster, folder: Path, lose: bool) -> dict:
         time.sleep(0.2)
     code, out, err = finished(proc, timeout=600)
     assert code == 0, err[-3000:]
-    if os.environ.get("BENCH_CONSOLE"):
-        Path(os.environ["BENCH_CONSOLE"]).with_suffix(f".{name}.log").write_text(f"killed at {killed}\n{err}")
     result = {"wall": time.monotonic() - start}
     if lose:
         run = client.get_run(out["run_id"])
