@@ -1,7 +1,5 @@
-"""A child process of the flow, run under the reaper: its output streamed to the flow's log line by
-line (two reader threads: a full pipe can never block it; a traceback as one line naming the log file
-that holds it), and stopped in order, with everything it started, when it ends, is stopped, or the
-flow goes."""
+"""A child process of the flow, run under the reaper: its output streamed to the flow's log line by line,
+and stopped in order, with everything it started, when it ends, is stopped, or the flow goes."""
 
 from __future__ import annotations
 
@@ -21,17 +19,16 @@ TAIL_LINES = 40
 STOP_POLL_S = 0.05  # how soon a quiet child is stopped once `stop` is set
 TRACEBACK = "Traceback (most recent call last):"
 CHAINED = ("The above exception was", "During handling of the above exception")
-RANK_PREFIX = re.compile(r"(\[rank\d+\]:\s?)?(.*)")  # torchrun's tag on a rank's lines: each rank apart
+RANK_PREFIX = re.compile(r"(\[rank\d+\]:\s?)?(.*)")  # torchrun's tag: each rank's traceback is followed apart
 
 
 class Tracebacks:
-    """The tracebacks in a child's output (its ranks', torchrun's own): on the console, each is one line,
-    its exception and the file that holds it whole; its other lines go to that file only."""
+    """The tracebacks in a child's output, each shown on the console as one line: its exception and the file
+    that holds it whole."""
 
     def __init__(self, where: Path):
         self.where = where
-        self.state: dict[tuple, str] = {}  # per stream and rank: "frames", "message" (an exception's
-        # text below it) or "after" (a chained traceback may follow)
+        self.state: dict[tuple, str] = {}  # per (stream, rank): "frames", "message" or "after" (a chained one)
 
     def console(self, line: str, stream: str = "stderr") -> str | None:
         """What the console shows for this line of output: the line, its traceback's summary, or None."""
@@ -70,16 +67,11 @@ def _pump(stream, name: str, q: queue.Queue) -> None:
 def run_child(cmd: list[str], env: dict, cwd: Path, log: logging.Logger | logging.LoggerAdapter,
               hold_fds: tuple[int, ...] = (), log_file: Path | None = None,
               stop: threading.Event | None = None) -> tuple[int, list[str]]:
-    """Run cmd, forwarding each output line to `log` (and `log_file`) as it arrives; returns
-    (its exit code, its last lines). With a `log_file`, a traceback reaches `log` as one line
-    naming that file (its other lines at the debug level).
+    """Run cmd under the reaper, each output line to `log` (and `log_file`); returns (exit code, last lines).
 
-    The child runs under the reaper (training/reaper.py) in a session of its own: a Ctrl-C
-    reaches this process, which stops it in order; when it ends, is stopped, or this process
-    dies, nothing it started is left (SIGTERM, then SIGKILL after the grace period), whatever
-    sessions its processes made and whatever signals they ignore; `hold_fds` (card locks)
-    stay open until then. Setting `stop` stops it the same way and raises Stopped.
-    """
+    With a `log_file`, a traceback reaches `log` as one line naming that file. Nothing the child started
+    outlives it or this process; `hold_fds` (card locks) stay open until then. Setting `stop` stops it and
+    raises Stopped."""
     tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
     tracebacks = Tracebacks(log_file) if log_file is not None else None  # without a file, shown whole
     proc = start_supervised(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -115,7 +107,7 @@ def run_child(cmd: list[str], env: dict, cwd: Path, log: logging.Logger | loggin
                 out.write(line + "\n")
         return proc.wait(), list(tail)
     finally:
-        if proc.poll() is None:  # we are being cancelled or failed: take the whole group down
+        if proc.poll() is None:  # cancelled or failed: take the whole group down
             _terminate(proc)
         if out is not None:
             out.close()

@@ -25,12 +25,7 @@ class DatasetInfo(BaseModel):
 
 
 def describe_dataset(cfg: TrainConfig) -> DatasetInfo:
-    """Prepare the dataset once (download if asked, read, fingerprint, write the prepared file).
-
-    When a prepared file matching the source exists, only its description is read: no torch,
-    no scikit-learn, no decoding in this process. Synthetic data is described by its definition
-    (each worker generates it). Data that cannot train raises DatasetError, reused or not.
-    """
+    """Prepare the dataset once, or reuse a matching prepared file; raises DatasetError for data that cannot train."""
     from gpuflow.training import datacache
     from gpuflow.training.refs import is_reference
 
@@ -61,8 +56,7 @@ def describe_dataset(cfg: TrainConfig) -> DatasetInfo:
 
 
 def describe_user_data(cfg: TrainConfig) -> DatasetInfo:
-    """The user's dataset: its module's prepare_data(root) hook runs here, once, before any
-    rank starts; then the factory is called to describe the two sets."""
+    """The user's dataset: its module's prepare_data(root) hook runs once, then its factory describes the sets."""
     from gpuflow.training.userdata import prepare_user_data, user_datasets
 
     prepare_user_data(cfg)
@@ -84,8 +78,7 @@ def check_classes(dataset: str, classes: list[str] | None, num_samples: int) -> 
 
 
 def check_split(cfg: TrainConfig, num_samples: int, world_size: int = 1) -> None:
-    """A built-in dataset split by val_fraction must leave every process a training and a
-    validation sample (training/datacache.py check_sizes, the rule user datasets follow too)."""
+    """A built-in dataset split by val_fraction must leave every process a training and a validation sample."""
     from gpuflow.training.datacache import check_sizes
 
     n_val = min(val_count(num_samples, cfg.val_fraction), num_samples)

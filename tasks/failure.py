@@ -1,5 +1,5 @@
-"""A launch's failure in one line: the first rank's own exception (the error file it left), else the
-signal that killed it, else the last line of its output; then the last lines, for the log."""
+"""A launch's failure in one line: the first rank's own exception, else the signal that killed it, else its
+last line of output."""
 
 from __future__ import annotations
 
@@ -12,8 +12,7 @@ from gpuflow.training.contract import ERROR_DIR_ENV, RunFolder, describe, read_e
 
 
 class TrainingFailed(RuntimeError):
-    """The worker exited non-zero; the message names the cause, then its last lines of output.
-    `deterministic`: the ranks said running it again would fail the same way."""
+    """The worker exited non-zero; `deterministic`: the ranks said running it again would fail the same way."""
 
     def __init__(self, message: str, deterministic: bool = False):
         super().__init__(message)
@@ -28,8 +27,7 @@ def error_folder(workdir: Path) -> dict:
 
 
 def failure(what: str, code: int, workdir: Path, tail: list[str], log_name: str) -> TrainingFailed:
-    """The failure as one first line naming its cause (the first rank's own exception and where
-    it was raised), then the last lines of output."""
+    """The failure: a first line naming its cause, then the last lines of output."""
     record = read_error(RunFolder(workdir).errors)
     last = next((line for line in reversed(tail) if line.strip()), "no output")
     cause = (describe(record) if record else killed(code, tail)
@@ -43,8 +41,8 @@ TORCHRUN_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
 
 
 def killed(code: int, tail: list[str]) -> str | None:
-    """A process ended by a signal (SIGKILL from the out-of-memory killer, say) leaves no error
-    file: the signal, from the reaper's exit code (128 + signal) or torchrun's failure summary."""
+    """The signal that ended the process (it left no error file), from the reaper's exit code or torchrun's
+    failure summary; None if no signal did."""
     who, name, rank = "the process", None, None
     if code > 128 and code - 128 in {s.value for s in signal.Signals}:
         name = signal.Signals(code - 128).name

@@ -1,8 +1,6 @@
 """Launch the worker as a child process: torchrun for DDP, plain python for single and DP.
 
-The child starts with the DevicePlan's environment, so CUDA_VISIBLE_DEVICES and
-CUDA_DEVICE_ORDER take effect before CUDA initialises. It runs as a child of the flow
-(tasks/child.py): its lines streamed, stopped in order with all it started.
+The child starts with the DevicePlan's environment, so CUDA_VISIBLE_DEVICES takes effect before CUDA initialises.
 """
 
 from __future__ import annotations
@@ -45,8 +43,7 @@ def check_endpoint(v: str | None) -> str | None:
 
 
 class Placement(BaseModel):
-    """The machines of a job: one by default; several placed by the flow on the node pool's
-    machines (flows/nodes.py)."""
+    """The machines of a job: one by default; several placed by the flow on the node pool's machines."""
 
     nodes: int = Field(1, ge=1, le=1024, description="machines to train on, placed by the flow through the "
                        "Prefect work pool node_pool (each machine runs `gpuflow node`); --gpus applies on each")
@@ -67,8 +64,7 @@ class Placement(BaseModel):
 
 
 class Nodes(Placement):
-    """Placement, and the low-level path: machines started by hand on each (nnodes, node_rank and
-    rdzv_endpoint, the same on every machine)."""
+    """Placement, and the low-level path: a job started by hand on each machine (nnodes, node_rank, rdzv_endpoint)."""
 
     nnodes: int = Field(1, ge=1, le=4096, description="low-level: machines of a job started by hand on each")
     node_rank: int = Field(0, ge=0, description="low-level: this machine's rank; only node 0 owns the MLflow run")
@@ -108,8 +104,7 @@ ScriptArgs = Annotated[list[str], Field(
 
 
 class Rendezvous(BaseModel):
-    """A placed job's c10d rendezvous (flows/nodes.py): every node's agent joins the store that
-    node 0's agent hosts at `endpoint`; torchrun gives the global ranks."""
+    """A placed job's c10d rendezvous: every node's agent joins the store node 0's agent hosts at `endpoint`."""
 
     endpoint: str
     id: str
@@ -119,8 +114,7 @@ class Rendezvous(BaseModel):
     interface: str | None = None  # the one local_addr is on: gloo's and NCCL's sockets use it
 
     def environ(self) -> dict:
-        """Collectives on the nodes' shared network: gloo and NCCL otherwise take the address the host
-        name resolves to (often 127.0.0.1), which the other machines cannot reach. A user's own
+        """Collectives on the nodes' shared network, not the host name's address (often 127.0.0.1); a user's own
         GLOO_SOCKET_IFNAME or NCCL_SOCKET_IFNAME wins."""
         env = dict(FRESH_RDZV_STORE)
         if self.interface:
@@ -152,9 +146,7 @@ def build_command(plan: DevicePlan, launch: Launch, nodes: Nodes, config: Path, 
 
 def torchrun(plan: DevicePlan, launch: Launch, opts: Nodes, rdzv: Rendezvous | None = None) -> list[str]:
     """torchrun with the plan's processes per node, restarts and rendezvous."""
-    # The worker's ranks print through torchrun's own stdout and stderr: no --tee/--log-dir, whose
-    # log-tailing threads once kept a signalled torchrun from exiting. (Scripts use them for
-    # per-rank logs; tests/test_scripts.py stops such a run with SIGTERM.)
+    # no --tee/--log-dir for the worker: their log-tailing threads once kept a signalled torchrun from exiting
     restarts = 0 if rdzv else launch.max_restarts  # placed: a node that fails fails the job
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={plan.nproc_per_node}",
            f"--max-restarts={restarts}", "--role=rank"]
@@ -167,9 +159,7 @@ def torchrun(plan: DevicePlan, launch: Launch, opts: Nodes, rdzv: Rendezvous | N
         cmd += ["--standalone",  # c10d on a free localhost port: parallel runs never collide
                 f"--rdzv-conf=join_timeout={opts.rdzv_timeout_s}"]
     else:
-        # static rendezvous: global rank = node_rank * nproc + local_rank, so global rank 0
-        # (the one that logs to MLflow and writes result.json) is always on node 0, whose
-        # flow owns the run. c10d would assign ranks in join order instead.
+        # static rendezvous puts global rank 0 (MLflow, result.json) on node 0; c10d would rank in join order
         host, _, port = opts.rdzv_endpoint.rpartition(":")
         cmd += [f"--nnodes={opts.nnodes}", f"--node-rank={opts.node_rank}",
                 f"--master-addr={host}", f"--master-port={port}",
@@ -186,18 +176,18 @@ def check_rendezvous(opts: Nodes) -> None:
         raise RendezvousError(f"rdzv_endpoint {opts.rdzv_endpoint!r} must be host:port, e.g. 127.0.0.1:29400")
     if host in ("127.0.0.1", "localhost", "0.0.0.0", socket.gethostname()) and port_in_use(host, int(port)):
         raise RendezvousError(f"rendezvous port {port} on {host} is already in use; pick another "
-                         "rdzv_endpoint port (or stop what listens there)")
+                              "rdzv_endpoint port (or stop what listens there)")
 
 
 def child_environment(plan: DevicePlan, metrics_file: Path | None = None) -> dict:
-    """The plan's device variables, where global rank 0 appends its per-epoch metrics, and the
-    cards' lock files that every process of the child holds while it lives (training/cardlock.py)."""
+    """The plan's device variables, the metrics file global rank 0 appends to, and the cards' lock files that
+    every process of the child holds."""
     env = plan.child_environ()
     env["PYTHONUNBUFFERED"] = "1"
     if plan.nproc_per_node > 1:  # torchrun's own default, set here so it does not print its banner
         env.setdefault("OMP_NUM_THREADS", "1")
-    for inherited in ("MLFLOW_RUN_ID", METRICS_FILE_ENV, CARD_LOCKS_ENV, CARD_OWNER_ENV):  # the ranks never talk to MLflow;
-        # the others are this child's own, set below
+    # the ranks never talk to MLflow; the others are this child's own, set below
+    for inherited in ("MLFLOW_RUN_ID", METRICS_FILE_ENV, CARD_LOCKS_ENV, CARD_OWNER_ENV):
         env.pop(inherited, None)
     if metrics_file:
         env[METRICS_FILE_ENV] = str(metrics_file)
@@ -210,8 +200,8 @@ def child_environment(plan: DevicePlan, metrics_file: Path | None = None) -> dic
 def launch(config: Path, plan: DevicePlan, opts: Launch, nodes: Nodes, workdir: Path, log,
            metrics_file: Path | None = None, hold_fds: tuple[int, ...] = (), attempt: int = 1,
            rdzv: Rendezvous | None = None, stop: threading.Event | None = None) -> dict:
-    """Run the worker for `config` with the plan's devices; its results JSON (`rank0` False on a
-    node whose ranks do not include global rank 0; `stopped` when `stop` was set)."""
+    """Run the worker for `config` with the plan's devices; its results JSON (`rank0` False on a node without
+    global rank 0; `stopped` when `stop` was set)."""
     check_rendezvous(nodes)
     folder = RunFolder(workdir)
     result = folder.result
@@ -248,9 +238,8 @@ def launch_training(config: Path, plan: DevicePlan, opts: Launch, nodes: Nodes, 
 
 
 def script_environment(plan: DevicePlan, run, tracking_uri: str) -> dict:
-    """The plan's environment plus the flow's MLflow run (a TrackedRun: this flow's, or on a node
-    of a placed run, the parent's), for the script's own mlflow calls (an absolute store URI: the
-    script's folder is not the flow's business), and its output folder."""
+    """The plan's environment plus the MLflow run `run` (a TrackedRun) for the script's own mlflow calls, and its
+    output folder."""
     from gpuflow.training.uris import absolute_uri
 
     env = child_environment(plan, run.metrics_file)
@@ -276,13 +265,9 @@ def launch_script(script: str, script_args: list[str], opts: Launch, tracking_ur
 
     log, folder = get_run_logger(), RunFolder(run.workdir)
     folder.outputs.mkdir(parents=True, exist_ok=True)
-    # per-rank logs (logs/ranks/<job>/attempt_<n>/<local rank>/std{out,err}.log, logged with the run)
-    # and every console line tagged with its global rank
-    # run by gpuflow's runner, as `python script.py` would: whole lines, the run's collective
-    # timeout, and the script's own exception left for the flow (training/runscript.py)
+    # per-rank logs, console lines tagged by rank; training/runscript.py runs it as `python script.py` would
     cmd = [*torchrun(plan, opts, Nodes(), rdzv), f"--log-dir={folder.logs / 'ranks'}", "--tee=3",
-           "--log-line-prefix-template=[rank${rank}]:", "-m", "gpuflow.training.runscript", script,
-           *script_args]
+           "--log-line-prefix-template=[rank${rank}]:", "-m", "gpuflow.training.runscript", script, *script_args]
     log.info("launching: %s", " ".join(cmd))
     env = script_environment(plan, run, tracking_uri)
     folder.process_group.unlink(missing_ok=True)  # rank 0 writes it afresh when the script ends well

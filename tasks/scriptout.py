@@ -1,15 +1,6 @@
-"""What a user's script leaves behind, logged to its run: the output folder, the files named
-by `collect`, the logs, and the newest state dict as a de-prefixed checkpoint.
-
-Only plain files are logged: a file is taken from the output folder or the logs only when it is
-reached through no symbolic link, and a `collect` match only when its real path lies in the
-working folder; anything else is skipped and named in the run's `gpuflow.skipped` tag. Nothing
-here fails a run whose script finished: a file that cannot be logged is skipped and named.
-
-Two things a run's files do not show are said in its tags and on the console: collected files
-older than the launch (`gpuflow.predates_run`: an earlier run's snapshot, perhaps resumed from,
-logged all the same), and a script whose processes never joined a process group
-(`gpuflow.not_distributed`: each trained a full copy).
+"""What a user's script leaves behind, logged to its run: the output folder, the files named by `collect`, the
+logs, and the newest state dict as a de-prefixed checkpoint. Only plain files inside the working folder are
+logged; a file skipped is named in the run's `gpuflow.skipped` tag and never fails the run.
 """
 
 from __future__ import annotations
@@ -33,9 +24,8 @@ STATE_SUFFIXES = (".pt", ".pth")
 
 
 def check_collect(patterns: list[str]) -> list[str]:
-    """Glob patterns stay inside the working folder: relative, no '..' (a '**/..' climbs out,
-    since '**' also matches no folder at all). What each pattern matches is checked again, file
-    by file, by its real path when the outputs are logged (tasks/scriptout.py)."""
+    """Glob patterns that stay inside the working folder: relative, no '..' ('**/..' climbs out too); raises
+    ValueError. Each match is checked again, by its real path, when it is logged."""
     for pattern in patterns:
         path = Path(pattern)
         if not pattern.strip() or path.is_absolute() or pattern.startswith("~") or ".." in path.parts:
@@ -63,8 +53,7 @@ def declared_model(path: Path) -> dict | None:
 
 
 def plain_files(root: Path) -> tuple[list[Path], list[str]]:
-    """(files under `root` reached through no symbolic link, the links skipped). A linked
-    `root` yields nothing: a script may replace its output folder by a link to anywhere."""
+    """(files under `root` reached through no symbolic link, the links skipped); a linked `root` yields nothing."""
     if root.is_symlink():
         return [], [f"{root} (a link)"]
     files, skipped = [], []
@@ -82,9 +71,8 @@ CHECKPOINT_SUFFIXES = (".pt", ".pth", ".ckpt", ".safetensors")
 
 
 def written_during(cwd: Path, launched: float, own: Path) -> list[str]:
-    """Checkpoint files (by suffix) in `cwd` or a folder right below it that were written since
-    `launched`, other runs' folders (beside `own`, this run's) left out: what a script saved (the
-    tutorial's snapshot.pt, nanoGPT's out/ckpt.pt) when no `collect` pattern names its files."""
+    """Checkpoint files (by suffix) in `cwd` or a folder right below it written since `launched`, other runs'
+    folders (beside `own`, this run's) left out."""
     found = []
     for pattern in ("*", "*/*"):
         for p in cwd.glob(pattern):
@@ -120,15 +108,11 @@ def collected_files(patterns: list[str], cwd: Path) -> tuple[list[Path], list[st
 
 
 def gather(run: TrackedRun, patterns: list[str], cwd: Path, launched: float | None = None) -> dict:
-    """Log the script's files; returns {"checkpoint", "weights", "model_spec", "outputs"}.
+    """Log the script's files; returns {"checkpoint", "weights", "model_spec", "outputs", "input_example"}.
 
-    The newest state dict is loaded with weights_only=True, found when nested in a snapshot
-    dict, stripped of `module.`/`_orig_mod.` and logged as checkpoints/<name> ({"model": ...});
-    a file that cannot be read that way is logged unchanged, and the run's
-    `gpuflow.checkpoint` tag says why. Collected files last written before `launched` (a
-    timestamp) are named in the `gpuflow.predates_run` tag.
-    """
-    from gpuflow.training.metrics import EXAMPLE_STEM, MODEL_FILE  # torch-free: no torch import for nothing
+    The newest state dict is logged de-prefixed as checkpoints/<name> (if unreadable, unchanged: the
+    `gpuflow.checkpoint` tag says why); collected files older than `launched` are named in a tag."""
+    from gpuflow.training.metrics import EXAMPLE_STEM, MODEL_FILE  # torch-free
 
     folder = RunFolder(run.workdir.resolve())
     outputs = folder.outputs
@@ -160,8 +144,7 @@ def gather(run: TrackedRun, patterns: list[str], cwd: Path, launched: float | No
 
 
 def flag_predating(run: TrackedRun, old: list[Path], launched: float, checkpoint: Path | None, cwd: Path) -> None:
-    """Name the collected files the script did not write (older than the launch) in a tag and a
-    warning: logged as this run's all the same, they may be an earlier run's, resumed from."""
+    """Name the collected files older than the launch, perhaps an earlier run's, in a tag and a warning."""
     if not old:
         return
     names = ", ".join(f"{p.relative_to(cwd.resolve())} (written {_when(p.stat().st_mtime)})" for p in old)
@@ -178,8 +161,7 @@ def _when(timestamp: float) -> str:
 
 
 def flag_not_distributed(run: TrackedRun) -> str | None:
-    """When the script's processes never joined a process group (rank 0's record in the run
-    folder), say so in the `gpuflow.not_distributed` tag and a warning; the message, else None."""
+    """Say in a tag and a warning when the script's processes never joined a process group; the message, else None."""
     record = read_process_group(RunFolder(run.workdir).process_group)
     if not record or record["joined"] or record["world_size"] < 2:
         return None
@@ -220,8 +202,7 @@ def checkpoint_from(run: TrackedRun, source: Path, spec: dict | None, cwd: Path)
 
 
 def log_node_logs(run: TrackedRun, node: str) -> None:
-    """A node of a placed script run whose processes did not hold global rank 0: its logs alone,
-    under nodes/<node>/logs (rank 0's node logs the script's files as one machine would)."""
+    """On a node of a placed script run without global rank 0: log its logs alone, under nodes/<node>/logs."""
     folder = RunFolder(run.workdir)
     logs, skipped = plain_files(folder.logs)
     for p in logs:

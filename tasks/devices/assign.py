@@ -1,8 +1,6 @@
 """Device assignment: a request plus an EnvironmentReport gives a DevicePlan, or a clear error.
 
-Users name physical GPUs (nvidia-smi numbering, PCI bus order). The child process gets
-CUDA_DEVICE_ORDER=PCI_BUS_ID and CUDA_VISIBLE_DEVICES in the requested order, so inside it
-the logical ids are always 0..n-1 and logical 0 is the primary card. Nothing here touches CUDA.
+Users name physical GPUs (nvidia-smi numbering); the child sees them as logical 0..n-1, 0 the primary card.
 """
 
 from __future__ import annotations
@@ -29,7 +27,7 @@ GPUS_HELP = ("auto (all free GPUs, else CPU), cpu, a count like '2', or physical
 
 
 def parse_gpus(v: str) -> str:
-    """The `gpus` grammar, checked (the parameter is declared in gpuflow.flows.params)."""
+    """The `gpus` grammar, checked; raises ValueError naming the fix."""
     v = str(v).strip().replace(" ", "")
     if v == "0":
         raise ValueError("gpus=0 asks for no GPU; use gpus=cpu to train on the CPU")
@@ -60,9 +58,7 @@ def explicit_ids(gpus: str) -> list[int] | None:
 
 
 def check_host(params) -> None:
-    """What the values ask of the host that runs them (its CPUs, its memory). Checked here, where
-    the job runs (assignment; the CLI before a server starts), not when the values are validated,
-    which may be on another machine (a placed run's parent, the Prefect form)."""
+    """Refuse values this host's CPUs or memory cannot meet; called where the job runs, as validation may not be."""
     cores = os.cpu_count() or 1
     for name in ("cpu_processes", "num_workers"):
         if (value := getattr(params, name, 0)) > cores:
@@ -78,8 +74,7 @@ def check_host(params) -> None:
 
 
 class Devices(BaseModel):
-    """The device part of a flow's parameters: which cards, and how they are shared (flows/params.py
-    composes it with the others)."""
+    """The device part of a flow's parameters: which cards, and how they are shared."""
 
     strategy: Literal["auto", "single", "dp", "ddp"] = Field(
         "auto", description="auto: ddp for several devices (gloo on CPU), single for one")
@@ -131,8 +126,7 @@ def _cpu_plan(report: EnvironmentReport, req: Devices) -> DevicePlan:
 
 
 def why_not(g: GpuInfo, req: Devices, locked: set[int]) -> str | None:
-    """Why a card is not free for a request (held by a gpuflow run, busy, short of memory), or None:
-    the one rule every chooser of cards applies (a run's assignment, a sweep's slots)."""
+    """Why a card is not free for a request (held by a gpuflow run, busy, short of memory), or None."""
     if g.index in locked:
         return "in use by another gpuflow run"
     if req.skip_busy and g.processes:
@@ -150,7 +144,7 @@ def _choose(report: EnvironmentReport, req: Devices, locked: set[int]) -> list[G
         return [_check_explicit(i, by_id, visible, report, req, locked) for i in ids]
     pool = [by_id[i] for i in visible]
     free = [g for g in pool if why_not(g, req, locked) is None]
-    free.sort(key=lambda g: (-g.memory_free_mb, g.index))  # most free memory first
+    free.sort(key=lambda g: (-g.memory_free_mb, g.index))
     want = len(free) if req.gpus == "auto" else int(req.gpus)
     if want > len(pool):
         raise AssignmentError(
@@ -221,8 +215,7 @@ def _gpu_plan(report: EnvironmentReport, req: Devices, cards: list[GpuInfo]) -> 
     )
 
 
-def _check_batch_and_precision(plan: DevicePlan, report: EnvironmentReport, batch: int | None,
-                               precision: str) -> None:
+def _check_batch_and_precision(plan: DevicePlan, report: EnvironmentReport, batch: int | None, precision: str) -> None:
     n = len(plan.physical_ids) if plan.device == "cuda" else plan.nproc_per_node
     if batch is not None and plan.strategy in ("dp", "ddp") and (  # None: a script's own batch
             why := batch_split(batch, n, f"devices of this {plan.strategy} plan",
@@ -239,10 +232,7 @@ def _check_batch_and_precision(plan: DevicePlan, report: EnvironmentReport, batc
 
 
 def one_device_plan(report: EnvironmentReport, gpus: str) -> DevicePlan:
-    """One device for evaluation or inference, with `run`'s --gpus grammar.
-
-    auto: the freest GPU, else the CPU; '1': the freest GPU; '3,': physical GPU 3; cpu.
-    """
+    """One device for evaluation or inference: auto (the freest GPU, else the CPU), '1' (the freest GPU), '3,', cpu."""
     gpus = one_device(gpus)
     if gpus == "auto":
         gpus = "1" if report.visible_physical_ids() else "cpu"
@@ -254,5 +244,4 @@ def one_device_plan(report: EnvironmentReport, gpus: str) -> DevicePlan:
 def assign_devices(report: EnvironmentReport, request: Devices, batch_size: int | None,
                    precision: str = "fp32") -> DevicePlan:
     """Turn a device request into a validated DevicePlan (cards locked by others are avoided)."""
-    return assign_devices_for(report, request, batch_size, precision,
-                              locked=CardLocks().held_elsewhere(report))
+    return assign_devices_for(report, request, batch_size, precision, locked=CardLocks().held_elsewhere(report))

@@ -1,10 +1,6 @@
-"""One run per card at a time: the card locks, and this host's slot for served runs.
+"""One run per card at a time: a card is free only when no process of an earlier run is left on it.
 
-A card's `<uuid>.lock` is held (exclusive flock) by the flow that runs on it and by its torchrun
-agent; every process that touches the card (each rank, each evaluation child) holds a shared
-flock on `<uuid>.ranks` until it exits (training/cardlock.py). A new run takes the first and
-probes the second, so a card is free only when no process of an earlier run is left on it.
-Files and folder are shared by every unix user of the machine (modes 0666 and 1777).
+The lock files and their folder are shared by every unix user of the machine (modes 0666 and 1777).
 """
 
 from __future__ import annotations
@@ -21,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from gpuflow.training.errors import UserError
 
-if TYPE_CHECKING:  # assign.py imports this module: the plan and report are only annotations here
+if TYPE_CHECKING:  # assign.py imports this module
     from .assign import DevicePlan
     from .probe import EnvironmentReport
 
@@ -79,9 +75,8 @@ def _open_shared(path: Path) -> int:
 
 
 class CardLocks:
-    """A card is held by its run's exclusive flock on `<uuid>.lock` (the flow, torchrun's agent)
-    and by a shared flock on `<uuid>.ranks` from every process that uses it (each rank, an
-    evaluation: training/cardlock.py). The kernel drops both when a holder exits, even on a crash."""
+    """A card is held by its run's exclusive flock on `<uuid>.lock` and a shared flock on `<uuid>.ranks` from every
+    process using it (training/cardlock.py); the kernel drops both when a holder exits, even on a crash."""
 
     def __init__(self, folder: Path | None = None, ranks_wait_s: float = RANKS_WAIT_S):
         self.folder = folder or lock_dir()

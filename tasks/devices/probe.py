@@ -1,9 +1,7 @@
 """Environment probing: GPUs, driver/CUDA/cuDNN/NCCL, free memory, backends.
 
-CUDA is never initialised in the parent: GPUs are read through NVML (or nvidia-smi), and
-torch's view is taken in a short child process. The parent's CUDA_VISIBLE_DEVICES can then
-still be chosen per launch, and a later in-process CUDA user starts clean.
-Only CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER are read from the environment.
+CUDA is never initialised here, so each launch can still choose its CUDA_VISIBLE_DEVICES: GPUs are read through
+NVML (or nvidia-smi), torch's view in a child process.
 """
 
 from __future__ import annotations
@@ -84,9 +82,6 @@ def parse_visible(cvd: str | None, gpus: list[GpuInfo]) -> list[int]:
             break
         out.append(idx)
     return out
-
-
-# --- sources ---------------------------------------------------------------------------
 
 
 def _text(v) -> str:
@@ -190,8 +185,7 @@ def torch_view_no_gpu() -> dict:
 
 
 def torch_view_metadata() -> dict:
-    """torch's version from its package metadata, without importing it: for the flow on a host
-    without GPUs, where nothing else needs torch. Backends and the CUDA build are not read."""
+    """torch's version from its package metadata, without importing it (backends and CUDA build not read)."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
@@ -202,19 +196,16 @@ def torch_view_metadata() -> dict:
 
 def torch_view(timeout: float = 120) -> dict:
     """torch's own view, taken in a child process so the parent never initialises CUDA."""
-    proc = subprocess.run([sys.executable, "-c", TORCH_PROBE], capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run([sys.executable, "-c", TORCH_PROBE], capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         return {"error": proc.stderr.strip().splitlines()[-1:] or ["torch probe failed"]}
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def read_environment(nvml=None, with_torch: bool = True, import_torch: bool = True) -> EnvironmentReport:
-    """Probe this host. Never raises for a missing GPU or NVML: that is a CPU-only report.
+    """Probe this host; a missing GPU or NVML gives a CPU-only report, never an error.
 
-    with_torch=False leaves torch out; import_torch=False, on a host without GPUs, reads only
-    torch's version, from its package metadata.
-    """
+    with_torch=False leaves torch out; import_torch=False, on a host without GPUs, reads only torch's version."""
     warnings: list[str] = []
     gpus, driver, source, cuda_driver = [], None, "none", None
     try:
@@ -227,8 +218,7 @@ def read_environment(nvml=None, with_torch: bool = True, import_torch: bool = Tr
         except Exception as e2:
             if shutil.which("nvidia-smi") or "LibraryNotFound" not in type(e).__name__:
                 warnings.append(f"no GPU information: NVML: {e}; nvidia-smi: {e2}")
-    # With GPUs, torch's view (device count, NCCL, bf16) needs the CUDA runtime: ask a child.
-    # Without them nothing can initialise CUDA, and torch is read in this process.
+    # with GPUs, torch's view needs the CUDA runtime, so a child takes it; without, nothing can initialise CUDA
     no_gpu_view = torch_view_no_gpu if import_torch else torch_view_metadata
     tv = (torch_view() if gpus else no_gpu_view()) if with_torch else {}
     if "error" in tv:

@@ -1,11 +1,6 @@
-"""This host's device slot: a Prefect global concurrency limit that served runs using devices queue
-on (flows/serve.py makes it), one slot per run, so a scheduled retrain and a manual run never train
-at once.
-
-Prefect's server grants leases of 60 s at least, so a holder that dies would keep the slot that
-long: the holder renews its lease and keeps `<limit>.<lease>.slot` flocked in the card-lock folder,
-and a waiting run that finds such a file unlocked (the kernel dropped its holder's lock) releases
-that lease at once. The file also says who holds the slot, which a waiting run prints.
+"""This host's device slot: a Prefect global concurrency limit, one slot per run, so a scheduled retrain and a
+manual run never train at once. A holder keeps `<limit>.<lease>.slot` flocked in the card-lock folder: a waiting
+run that finds it unlocked (its holder died) releases that lease at once.
 """
 
 from __future__ import annotations
@@ -32,10 +27,8 @@ log = logging.getLogger(__name__)
 
 @contextmanager
 def device_slot():
-    """One slot of this host's device limit for the block: served runs that use devices queue
-    here. Without the limit (flows/serve.py creates it), as with a plain `gpuflow run`, this
-    passes quietly. A run that waits says who holds the slot; a holder that died (kill -9, a
-    crashed worker) is seen by its unlocked holder file and its lease released at once."""
+    """Hold one slot of this host's device limit for the block; without the limit (a plain `gpuflow run`),
+    pass quietly."""
     from prefect.client.orchestration import get_client
 
     name = DEVICE_LIMIT.format(host=socket.gethostname())
@@ -52,8 +45,7 @@ def device_slot():
 
 
 def _take_slot(client, name: str) -> UUID:
-    """The lease of a slot of `name`, asked for every SLOT_POLL_S (this thread sleeps, so a
-    SIGTERM or Ctrl-C stops the wait); dead holders' leases are released meanwhile."""
+    """The lease of a slot of `name`, asked for every SLOT_POLL_S; dead holders' leases are released meanwhile."""
     from prefect.exceptions import PrefectHTTPStatusError
 
     told: list[str] | None = None
@@ -101,8 +93,7 @@ def _holder_files(name: str) -> list[Path]:
 
 @contextmanager
 def _holder_file(name: str, lease: UUID):
-    """`<limit>.<lease>.slot` in the lock folder, exclusively flocked for the block: the kernel
-    drops the lock when this process dies, which tells a waiting run that the lease is dead."""
+    """`<limit>.<lease>.slot` in the lock folder, flocked for the block: the kernel drops it if this process dies."""
     folder = lock_dir()
     make_shared_dir(folder)
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".slot-")
@@ -126,13 +117,12 @@ def _holder_text() -> str:
 
 
 def _release_dead_holders(client, name: str) -> tuple[list[str], int]:
-    """Release the lease of every holder file no living process locks: who holds the others, and
-    how many were released."""
+    """Release the lease of every holder file no living process locks; (who holds the others, how many freed)."""
     holders, freed = [], 0
     for path in _holder_files(name):
         lease = _lease_of(path)
         if lease is None:
-            continue  # not a holder file (another account's stray or planted name): nothing to release
+            continue  # a stray or planted name: nothing to release
         try:  # never follow a link, never block on a FIFO planted under that name
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError:
@@ -161,7 +151,7 @@ def _lease_of(path: Path) -> UUID | None:
 
 
 def _remove(path: Path) -> bool:
-    """False if the file stays: another user's, in the sticky folder (its lease is released all the same)."""
+    """False if the file stays: another user's, in the sticky folder."""
     try:
         path.unlink()
     except FileNotFoundError:
@@ -174,8 +164,7 @@ def _remove(path: Path) -> bool:
 
 @contextmanager
 def _renewed(lease: UUID):
-    """The lease renewed by a thread while the block runs: it expires only SLOT_LEASE_S after
-    this process stops renewing it."""
+    """The lease renewed by a thread while the block runs."""
     stop = threading.Event()
     thread = threading.Thread(target=_renew_until, args=(lease, stop), name="device-slot-lease", daemon=True)
     thread.start()

@@ -1,8 +1,5 @@
-"""Runs left RUNNING by an owner that died (SIGKILL, the OOM killer, a host crash).
-
-Each run records its owner: host, pid and the process's start time, so that a reused pid
-does not count as alive. The next run on that host marks such runs KILLED; for a served flow
-run that crashed or was cancelled, Prefect's runner calls `end_flow_run_mlflow_runs`.
+"""Runs left RUNNING by an owner that died (SIGKILL, the OOM killer, a host crash), marked KILLED by the next run
+on that host. Each run records its owner's host, pid and start time, so a reused pid does not count as alive.
 """
 
 from __future__ import annotations
@@ -18,7 +15,7 @@ OWNER_HOST, OWNER_PID, OWNER_STARTED = "gpuflow.owner.host", "gpuflow.owner.pid"
 
 
 def owner_tags() -> dict[str, str]:
-    """This process as a run's owner: host, pid and start time (a reused pid is not alive)."""
+    """This process as a run's owner: host, pid and start time."""
     import psutil
 
     return {OWNER_HOST: socket.gethostname(), OWNER_PID: str(os.getpid()),
@@ -54,9 +51,8 @@ def reap_orphaned_runs(client: MlflowClient) -> list[str]:
 
 
 def hooked_store(given) -> str:
-    """The store a hook may open for a flow run's `tracking_uri` parameter, as the caller sent it (the
-    flow may have refused it before it ran): under a served policy, only one the policy allows,
-    else the operator's own; never an address a caller named to collect the credentials."""
+    """The store a hook may open for a flow run's `tracking_uri`, as sent: under a served policy only one it allows,
+    else the operator's own, never an address a caller named to collect the credentials."""
     from gpuflow.training.policy import NotAllowed, Policy
 
     policy = Policy.from_env()
@@ -72,9 +68,7 @@ def hooked_store(given) -> str:
 def end_flow_run_mlflow_runs(flow, flow_run, state) -> None:
     """Prefect state hook (on_crashed, on_cancellation): end the flow run's MLflow run KILLED.
 
-    For a served run whose process was killed or cancelled: Prefect's runner calls this in its
-    own process, where the flow's `finally` never ran.
-    """
+    Prefect's runner calls it in its own process, where the flow's `finally` never ran."""
     uri = hooked_store((flow_run.parameters or {}).get("tracking_uri"))
     client = MlflowClient(uri)
     ids = [e.experiment_id for e in client.search_experiments()]

@@ -1,19 +1,10 @@
-"""The registered model, as MLflow loads it: a pyfunc "model from code".
-
-MLflow copies this file into the model and runs it on load, in any process: it imports only
-torch, numpy and mlflow, never gpuflow. It rebuilds the model's own class from the reference
-and keyword arguments recorded in the model's config (the class's code ships in the model's
-`code/` folder: the user's package, or gpuflow's built-in models file) and loads the weights
-with `weights_only=True` and `strict=True`, so nothing is unpickled.
+"""The registered model, as MLflow loads it in any process: a pyfunc "model from code" that imports only torch,
+numpy and mlflow, rebuilds the model's class from its config and loads the weights with weights_only=True, so
+nothing is unpickled.
 
     model = mlflow.pyfunc.load_model("models:/<name>@champion")
-    model.predict(x)                        # x: array (N, *input shape) -> array of outputs
-    model.predict({"input_ids": ids, ...})  # named inputs: forward(**inputs), dtypes kept (int64 ids
-                                            # stay int64); a dict output -> {name: array}
+    model.predict(x)                        # x: array (N, *input shape), or {name: array} for forward(**inputs)
     model.unwrap_python_model().model       # the plain nn.Module
-
-A reference into an installed package (`torchvision.models:resnet18`) ships no code: the
-environment's package is the model's code, whatever else this process imported.
 """
 
 import importlib
@@ -33,8 +24,7 @@ def _source(root: Path, module_name: str) -> Path:
 
 
 def _same_code(module_name: str, code: Path, origin: str) -> bool:
-    """Whether the `module_name` this process would import (its top-level package is already
-    imported from `origin`) has the same source as this model's copy."""
+    """Whether `module_name`, whose top-level package is already imported from `origin`, has this model's source."""
     top = Path(origin)
     loaded_root = top.parent.parent if top.name == "__init__.py" else top.parent
     mine, theirs = _source(code, module_name), _source(loaded_root, module_name)
@@ -51,8 +41,7 @@ def _import(reference: str, code: Path):
     top = module_name.split(".")[0]
     loaded = sys.modules.get(top)
     origin = getattr(loaded, "__file__", None) or next(iter(getattr(loaded, "__path__", [])), None)
-    # Only code the model carries can differ from what this process imported; an installed
-    # package the reference names (no code shipped) is the environment's, imported or not.
+    # only code the model ships can differ from what this process imported; an installed package is the environment's
     if (loaded is not None and origin and _ships(code, top) and code not in Path(origin).resolve().parents
             and not _same_code(module_name, code, origin)):
         raise ImportError(f"this model's code is the package {top!r} (in {code}), but this process has "
@@ -77,10 +66,8 @@ class CheckpointModel(PythonModel):
 
     # np.ndarray: the hint MLflow reads as "validate by the signature, not the hint"; dicts pass too
     def predict(self, context, model_input: np.ndarray, params=None):
-        """An array (N, *input shape), or {name: array} for forward(**inputs): each keeps its
-        dtype (token ids stay int64), floats become float32 as the weights are. Returns an
-        array, or {name: array} for a model returning a dict (entries that are not tensors
-        left out); floating outputs as float32."""
+        """An array (N, *input shape), or {name: array} for forward(**inputs), dtypes kept but floats as float32;
+        returns an array, or {name: array} of a dict output's tensors, floats as float32."""
         import torch
 
         with torch.no_grad():

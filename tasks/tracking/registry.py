@@ -91,8 +91,7 @@ def checkpoint_of(client, name: str, version: str, dest: Path) -> Path:
 def run_on_device(checkpoint: Path, plan: DevicePlan, log, *args: str, hold_fds: tuple[int, ...] = ()) -> dict:
     """Run gpuflow.training.evaluate in a child that sees only the plan's device; its JSON report.
 
-    The caller holds card_locks(plan); `hold_fds` (its descriptors) are held by the child too.
-    """
+    The caller holds card_locks(plan); the child holds `hold_fds`, their descriptors, too."""
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "result.json"
         cmd = [sys.executable, "-m", "gpuflow.training.evaluate", "--checkpoint", str(checkpoint),

@@ -1,17 +1,6 @@
-"""What a registered model needs installed, found without importing its code (the flow stays torch-free).
-
-The model's `requirements.txt` (and conda.yaml, python_env.yaml) lists, each distribution once:
-1. what the loader (tasks/tracking/registered_model.py) imports: torch, torchvision, mlflow, numpy;
-2. the installed distribution of a package the model's reference names (`torchvision.models:resnet18`);
-3. the installed distributions that the shipped code imports: its `import` statements, read with
-   `ast` (the standard library and the shipped packages themselves left out), mapped to their
-   distributions by `importlib.metadata.packages_distributions()`;
-all three pinned to the versions installed here (a local suffix such as `+cu130` dropped); then
-4. the project's own declared dependencies, as written, when the model ships code from the
-   project folder: `[project].dependencies` of its pyproject.toml, then its requirements.txt
-   (options, `-r`/`-e` lines and entries that are not requirements, such as paths, left out). A
-   declared entry replaces a pin found for the same distribution.
-An import that no installed distribution provides (an optional one, under `try`) is not listed.
+"""What a registered model needs installed, found without importing its code (the flow stays torch-free): the
+loader's, the reference's and the shipped code's distributions pinned to the versions installed here; then, for
+code shipped from the project folder, the project's declared dependencies, which replace a pin of the same name.
 """
 
 from __future__ import annotations
@@ -29,7 +18,7 @@ LOADER = ("torch", "torchvision", "mlflow", "numpy")
 
 
 def model_requirements(reference: str, code_paths: list[str], code_root: str | None) -> list[str]:
-    """pip requirement lines for a model of `reference` whose code is `code_paths` (see the module doc)."""
+    """pip requirement lines for a model of `reference` whose code is `code_paths`, each distribution once."""
     shipped = {Path(p).stem for p in code_paths}
     modules = (imported_modules(code_paths) | {reference.rpartition(":")[0].split(".")[0]}) - shipped
     found = {canonicalize_name(d): pinned(d) for d in [*LOADER, *distributions(modules)]}
@@ -58,9 +47,8 @@ def imported_modules(code_paths: list[str]) -> set[str]:
 
 
 def distributions(modules: set[str]) -> list[str]:
-    """The installed distributions providing these top-level modules, in name order. The loader's
-    own need no lookup (one scans every installed distribution: a quarter second a registration)."""
-    modules = modules - set(LOADER)
+    """The installed distributions providing these top-level modules, in name order."""
+    modules = modules - set(LOADER)  # listed already: a lookup scans every installed distribution
     if not modules:
         return []
     provided = packages_distributions()
@@ -80,8 +68,7 @@ def declared(root: Path) -> list[str]:
         pass
     if (root / "requirements.txt").is_file():
         lines += [ln.split(" #")[0].strip() for ln in (root / "requirements.txt").read_text().splitlines()]
-    return [ln for ln in lines if isinstance(ln, str) and ln and not ln.startswith(("#", "-"))
-            and _is_requirement(ln)]
+    return [ln for ln in lines if isinstance(ln, str) and ln and not ln.startswith(("#", "-")) and _is_requirement(ln)]
 
 
 def _is_requirement(line: str) -> bool:

@@ -22,11 +22,8 @@ NOT_COMPARED = "registered, not compared: the retrain flow compares a version wi
 def model_code(spec: dict, code_root: str | None, folder: Path) -> tuple[str, list[str]]:
     """(the model's reference inside the registered model, the code to ship in `code_paths`).
 
-    Built-in models ship gpuflow's models file under a name of its own; a user's module
-    reference ships its top-level package (or module file), found from the project folder;
-    a file reference ships that file. Code installed in site-packages is not shipped: it
-    is a requirement of the environment that loads the model.
-    """
+    Built-in models ship gpuflow's models file, a module reference its top-level package, a file reference that
+    file; code installed in site-packages is not shipped (a requirement of the environment instead)."""
     import importlib.util
     import shutil
     import sys
@@ -54,9 +51,7 @@ def model_code(spec: dict, code_root: str | None, folder: Path) -> tuple[str, li
 def model_signature(example_file: str | None, outputs: list[dict] | None) -> tuple:
     """(the input example: an array, or named arrays from a .npz; its signature, None without one).
 
-    Inputs keep the example's dtypes (int64 token ids stay int64) and, being integers, any length
-    (a text model's sequence); float inputs keep their sample shape. `outputs` is the worker's
-    [{"name", "dtype", "shape"}], one unnamed entry for a tensor output."""
+    `outputs` is the worker's [{"name", "dtype", "shape"}], one unnamed entry for a tensor output."""
     import numpy as np
     from mlflow.models.signature import ModelSignature
     from mlflow.types.schema import Schema, TensorSpec
@@ -77,8 +72,7 @@ def model_signature(example_file: str | None, outputs: list[dict] | None) -> tup
 
 @contextmanager
 def quiet_logger(name: str | None):
-    """`name`'s warnings off for the block (a model without an example: MLflow warns it has no
-    signature, which the flow has said in its own words)."""
+    """`name`'s warnings off for the block; None changes nothing."""
     import logging
 
     if name is None:
@@ -106,13 +100,9 @@ def failed_unless_ready(client, model_id: str):
         raise
 
 
-def register_model(run: TrackedRun, result: dict, registered_name: str, code_root: str | None,
-                   description: str) -> str:
-    """Log the trained weights as a pyfunc model from code (tasks/tracking/registered_model.py) with the
-    model's own code, and register it; idempotent per run. Its input example is a few
-    validation samples the worker saved; its signature, their dtypes and shapes and the
-    outputs' (`output_spec`: one unnamed tensor, or a dict's named tensors); its requirements,
-    what tasks/tracking/requirements.py finds."""
+def register_model(run: TrackedRun, result: dict, registered_name: str, code_root: str | None, description: str) -> str:
+    """Log the trained weights as a pyfunc model with the model's own code and register it; the version.
+    Idempotent per run."""
     from mlflow.entities import LoggedModelOutput, LoggedModelStatus
     from mlflow.exceptions import MlflowException
     from mlflow.models import Model
@@ -123,9 +113,7 @@ def register_model(run: TrackedRun, result: dict, registered_name: str, code_roo
     if existing:  # a retried task must not create a second version
         return existing[0].version
     example, signature = model_signature(result.get("input_example"), result.get("output_spec"))
-    # pyfunc.log_model would also load the model to predict the example, importing torch into
-    # the flow: ~5 s a run on the default job (bench/NOTES.md). So the same steps with public
-    # calls, without that check; tests load each registered model and predict its example.
+    # pyfunc.log_model's steps without its check that predicts the example, which would import torch into the flow
     model = run.client.create_logged_model(run.experiment_id, name="model", source_run_id=run.run_id)
     with failed_unless_ready(run.client, model.model_id), tempfile.TemporaryDirectory() as tmp, \
             quiet_logger("mlflow.pyfunc" if signature is None else None):  # no "Failed to infer" warning

@@ -1,7 +1,6 @@
 """The MLflow tracking store the flows use: where it is, made ready once, and how a run ends.
 
-Only named values are ever logged: never the environment wholesale.
-"""
+Only named values are ever logged: never the environment wholesale."""
 
 from __future__ import annotations
 
@@ -11,7 +10,6 @@ import sqlite3
 import subprocess
 from contextlib import closing, contextmanager
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 from gpuflow.training.errors import UserError
@@ -38,12 +36,7 @@ def require_store(uri: str) -> None:
 
 
 def prepare_store(uri: str) -> MlflowClient:
-    """Point MLflow at `uri`; for SQLite create the schema and switch it to WAL once.
-
-    WAL lets the relay append metrics while system metrics and other runs write theirs,
-    instead of failing with 'database is locked'. Flows started together on a new database
-    would each create its tables and collide: creation holds a lock file beside it.
-    """
+    """Point MLflow at `uri`; for SQLite create the schema and switch it to WAL once."""
     import mlflow
     from mlflow.tracking import MlflowClient
 
@@ -51,18 +44,17 @@ def prepare_store(uri: str) -> MlflowClient:
     if (db_path := sqlite_path(uri)) is None:
         return MlflowClient(uri)
     db_path.parent.mkdir(parents=True, exist_ok=True)
-    with _exclusive(db_path.with_name(db_path.name + "-lock")):
+    with _exclusive(db_path.with_name(db_path.name + "-lock")):  # flows started together would each create tables
         client = MlflowClient(uri)
         client.search_experiments(max_results=1)  # creates the tables if missing
         with sqlite3.connect(db_path, timeout=30) as db:
-            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA journal_mode=WAL")  # the relay appends while other runs write: no 'database is locked'
     return client
 
 
 def checkpoint_wal(uri: str, busy_timeout_s: float = 2.0) -> bool:
-    """Move a SQLite store's write-ahead log into its file, so that the file alone holds every
-    run (a copy, a backup, a colleague's UI). Nothing for other stores; when another process
-    holds the log busy it is left for a later checkpoint. Returns whether the log was emptied."""
+    """Move a SQLite store's write-ahead log into its file, so that the file alone holds every run; whether the log
+    was emptied (not when another process holds it busy)."""
     path = sqlite_path(uri)
     if path is None or not path.is_file():
         return False
@@ -104,8 +96,7 @@ def ensure_experiment(client: MlflowClient, name: str) -> str:
 
 def git_commit() -> str | None:
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
-                             text=True, timeout=10)
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
         return out.stdout.strip() or None
     except (OSError, subprocess.TimeoutExpired):
         return None
@@ -136,9 +127,8 @@ def end_run(client: MlflowClient, run_id: str, status: str, error: str | None = 
 
 
 def withdraw_versions(client: MlflowClient, run_id: str) -> list[str]:
-    """Delete the registered versions made from a run that then failed (a step after the
-    registration, or the flow's end, went wrong): no version ever points at a FAILED or KILLED
-    run. The run's `gpuflow.withdrawn_versions` tag names them; its checkpoint stays logged."""
+    """Delete the registered versions made from a run that then failed, so none points at a FAILED or KILLED run;
+    the run's `gpuflow.withdrawn_versions` tag names them."""
     gone = []
     for mv in client.search_model_versions(f"run_id='{run_id}'"):
         client.delete_model_version(mv.name, mv.version)

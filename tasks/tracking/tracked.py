@@ -1,9 +1,5 @@
-"""The flow's MLflow run, in the flow's own process.
-
-`tracked_run()` owns one run per flow run: it creates it (after marking KILLED any run of this
-host whose owner process is gone), relays rank 0's per-epoch metrics file to it with a thread
-while the launch runs, and always ends it FINISHED, FAILED or KILLED. The ranks never import
-MLflow; the results are logged by tasks/tracking/results.py.
+"""The flow's MLflow run, in the flow's own process: `tracked_run()` owns one run per flow run, relays rank 0's
+metrics file to it while the launch runs, and always ends it. The ranks never import MLflow.
 """
 
 from __future__ import annotations
@@ -74,17 +70,9 @@ def lost_api_message(exc: BaseException) -> str:
             f"({type(exc).__name__}: {exc}); the run is not registered. Check the server and start the run again")
 
 
-# --- live metrics ------------------------------------------------------------------------
-
-
 class MetricsRelay(threading.Thread):
-    """Logs the lines rank 0 appends to its metrics file to the run, while the launch runs.
-
-    Complete lines only, one synchronous log_batch for all the lines read at once; polls every
-    `interval` seconds and reads the file to its end once more when stopped, so no epoch written
-    before is lost. `on_metrics(step, metrics)` (a sweep's pruner) sees each line as soon as it is
-    read, before it is logged, and then the file is polled often: a pruned trial stops an epoch sooner.
-    """
+    """Logs the complete lines rank 0 appends to its metrics file to the run, every `interval` seconds and once
+    more when stopped. `on_metrics(step, metrics)` (a sweep's pruner) sees each line before it is logged."""
 
     def __init__(self, client: MlflowClient, run_id: str, path: Path, interval: float | None = None,
                  on_metrics: Callable[[int, dict], None] | None = None, checkpoints: Path | None = None):
@@ -136,8 +124,7 @@ class MetricsRelay(threading.Thread):
                   f"{type(e).__name__}: {e}", flush=True)
 
     def _upload_checkpoints(self) -> None:
-        """Every complete epoch checkpoint not uploaded yet, to the run's checkpoints/ (a placed run
-        that may replace a machine): the metrics logged after are of epochs a replacement can resume."""
+        """Upload each new complete epoch checkpoint before its metrics: a replacement resumes any logged one."""
         if self.checkpoints is None or not self.checkpoints.is_dir():
             return
         for p in sorted(self.checkpoints.glob("epoch-*.pt")):  # a write in progress is a hidden .tmp
@@ -153,9 +140,6 @@ class MetricsRelay(threading.Thread):
         self._halt.set()
         self.join()
         return self.logged
-
-
-# --- the run -----------------------------------------------------------------------------
 
 
 @dataclass
@@ -189,8 +173,7 @@ class TrackedRun:
     @contextmanager
     def relaying_metrics(self, on_metrics: Callable[[int, dict], None] | None = None,
                          checkpoints: Path | None = None) -> Iterator[MetricsRelay]:
-        """Relay rank 0's metrics file to the run for the duration of the block (and, given, the
-        checkpoints folder's new epochs, each before its metrics)."""
+        """Relay rank 0's metrics file (and, given, the `checkpoints` folder's new epochs) to the run for the block."""
         relay = MetricsRelay(self.client, self.run_id, self.metrics_file, on_metrics=on_metrics,
                              checkpoints=checkpoints)
         relay.start()
@@ -206,10 +189,8 @@ def tracked_run(uri: str, experiment: str, run_name: str, tags: dict, dataset: d
                 resume: str | None = None) -> Iterator[TrackedRun]:
     """One MLflow run around the block, ended FINISHED, FAILED or KILLED whatever happens.
 
-    The run's folder is `<runs_dir>/<run id>`. Before starting, runs of this host left
-    RUNNING by a process that is gone are marked KILLED. `resume`: an ended run's id, to
-    continue (a sweep started again).
-    """
+    Its folder is `<runs_dir>/<run id>`; runs of this host whose owner is gone are marked KILLED first.
+    `resume`: an ended run's id, to continue."""
     client = prepare_store(uri)
     reap_orphaned_runs(client)
     exp_id = ensure_experiment(client, experiment)
@@ -248,12 +229,7 @@ DUPLICATE_ROW = ("UNIQUE constraint failed", "duplicate key value violates uniqu
 
 
 def log_dataset(ds: dict, attempts: int = 5) -> None:
-    """The dataset as the active run's input, retried when a concurrent run inserted it first.
-
-    MLflow's SQL store looks the (experiment, name, digest) row up and then inserts it, so two
-    runs starting together can both miss it and the second insert fails the UNIQUE constraint
-    (SQLite's words, or PostgreSQL's through a tracking server).
-    """
+    """The dataset as the active run's input, retried when a concurrent run inserted it first."""
     from mlflow.data.code_dataset_source import CodeDatasetSource
     from mlflow.data.meta_dataset import MetaDataset
 
@@ -262,7 +238,7 @@ def log_dataset(ds: dict, attempts: int = 5) -> None:
     for attempt in range(attempts):
         try:
             return mlflow.log_input(meta, context="training", tags={"samples": str(ds["num_samples"])})
-        except mlflow.exceptions.MlflowException as e:
+        except mlflow.exceptions.MlflowException as e:  # MLflow's SQL store looks the row up, then inserts it
             if not any(m in str(e) for m in DUPLICATE_ROW) or attempt == attempts - 1:
                 raise
             time.sleep(0.05 * (attempt + 1))
