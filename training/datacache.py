@@ -99,8 +99,7 @@ def lookup(dataset: str, data_root: str) -> tuple[Path, dict] | None:
     return None
 
 
-def store(dataset: str, data_root: str, x, y, num_classes: int, fingerprint: dict,
-          classes: list[str]) -> Path | None:
+def store(dataset: str, data_root: str, x, y, num_classes: int, fingerprint: dict, classes: list[str]) -> Path | None:
     """Write the prepared file (atomically: concurrent runs may race) and its description; its path.
 
     None, and the workers read the source, when there is no signature or the folder is not writable; a full disk

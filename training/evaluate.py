@@ -149,8 +149,7 @@ def _where(dev: torch.device) -> dict:
             "device_name": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu"}
 
 
-def evaluate(checkpoint: str, split: str = "val", device: str = "auto", batch_size: int = 512,
-             **overrides) -> dict:
+def evaluate(checkpoint: str, split: str = "val", device: str = "auto", batch_size: int = 512, **overrides) -> dict:
     payload = _vetted(load_file(checkpoint), checkpoint)
     cfg = _config(payload, checkpoint, **overrides)
     bundle = load_data(cfg, fingerprint=False)

@@ -60,8 +60,7 @@ def check_user_code(cfg: TrainConfig, world_size: int = 1) -> dict:
     except Exception as e:
         raise UserError(f"objective {cfg.objective!r}: metrics must return {{name: (sum over the batch, count)}}; "
                         f"got an error reading them: {describe_error(e)}") from None
-    return {"num_classes": num_classes,
-            "output_shape": list(out.shape[1:]) if isinstance(out, torch.Tensor) else None}
+    return {"num_classes": num_classes, "output_shape": list(out.shape[1:]) if isinstance(out, torch.Tensor) else None}
 
 
 def _check_classification(cfg: TrainConfig, bundle, out, target, what: str) -> int:
