@@ -50,9 +50,7 @@ def _train(cfg, metrics, config_path: str, result_path: str | None, freeze_impor
     from .trainer import Trainer
 
     if freeze_imports:  # the entry point only, not a caller's process (tests run this in-process)
-        # Objects from the imports (torch's are many) live to the end: freezing them keeps
-        # the full collection at teardown from scanning them (~0.2 s a rank, measured).
-        gc.freeze()
+        gc.freeze()  # the imports' objects live to the end: the collection at teardown need not scan them
     ctx = distributed.setup(cfg)
     trainer = None
     try:
@@ -70,14 +68,10 @@ def _train(cfg, metrics, config_path: str, result_path: str | None, freeze_impor
                 result["input_example"] = str(atomic_write(folder.input_example(suffix),
                                                            lambda tmp: tmp.write_bytes(data)))
             write_json_atomic(out, result)
-        # Leave together: a rank that tears gloo down while rank 0 still writes result.json
-        # can abort (SIGABRT) on the half-closed connection.
-        distributed.barrier(ctx)
+        distributed.barrier(ctx)  # a rank tearing gloo down while rank 0 still writes can abort (SIGABRT)
         return result
     finally:
-        # DDP's reducer holds the process group: free it now, so the group's C++ threads
-        # are joined by destroy_process_group here and not at interpreter shutdown, where
-        # they ended a rank with 'terminate called without an active exception' (SIGABRT).
+        # DDP's reducer holds the group: freed now, its threads join here, not at shutdown (SIGABRT there)
         trainer = None
         gc.collect()
         distributed.teardown()

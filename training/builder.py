@@ -1,11 +1,5 @@
-"""Build the model a config names: a built-in (mlp, cnn, resnet18) or the user's own.
-
-A user model is a reference (`myproj.nets:Net`, `./nets.py:Net`) to an `nn.Module` class or
-a factory function returning one. It is called with the config's `model_args` plus what
-gpuflow knows, `num_classes` and `input_shape`, when its signature names them and
-`model_args` does not set them. The spec (reference and the exact keyword arguments) is
-recorded in every checkpoint and in the registered model, which rebuild it the same way.
-"""
+"""Build the model a config names: a built-in (mlp, cnn, resnet18), or the user's `nn.Module` class or factory
+called with `model_args` plus `num_classes` and `input_shape` when its signature names them."""
 
 from __future__ import annotations
 
@@ -19,7 +13,6 @@ from .errors import UserError
 from .refs import CodeReferenceError, describe_error, is_reference, resolve
 
 
-
 def _signature(target) -> inspect.Signature | None:
     try:
         return inspect.signature(target)
@@ -29,7 +22,7 @@ def _signature(target) -> inspect.Signature | None:
 
 def make_model(name: str, num_classes: int | None, input_shape, args: dict | None = None,
                code_root: str | None = None) -> tuple[nn.Module, dict]:
-    """(the model, its spec {"reference", "kwargs"}); CodeReferenceError/UserError on bad input."""
+    """(the model, its spec {"reference", "kwargs"}: what checkpoints record to rebuild it); UserError on bad input."""
     args = dict(args or {})
     if not is_reference(name):
         if args:

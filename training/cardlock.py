@@ -1,11 +1,5 @@
-"""Every process that uses a card holds it until it exits, so a new run never gets a card that
-a process of an ended run still uses (a rank finishing a collective, memory not yet freed).
-
-The flow that holds a card's run lock names the card's `<uuid>.ranks` files in
-GPUFLOW_CARD_LOCKS (os.pathsep-separated); each process it starts takes a shared flock on
-them, which the kernel drops when the process exits, however it ends. Without the variable
-(a worker started by hand or by a test) this does nothing.
-"""
+"""Every process that uses a card holds a shared flock on the `<uuid>.ranks` files GPUFLOW_CARD_LOCKS names until
+it exits, so a new run never gets a card a process of an ended run still uses. Without the variable, nothing."""
 
 from __future__ import annotations
 
@@ -19,8 +13,8 @@ OWNER_ENV = CARD_OWNER_ENV
 
 
 def hold_card_locks(environ: dict | None = None) -> list[int]:
-    """Take a shared flock on each file named in GPUFLOW_CARD_LOCKS, for the life of this
-    process; the open descriptors (never closed: closing one would drop its lock)."""
+    """Take a shared flock on each file in GPUFLOW_CARD_LOCKS for this process's life; the descriptors (never
+    closed: closing one would drop its lock)."""
     names = (os.environ if environ is None else environ).get(CARD_LOCKS_ENV, "")
     fds = []
     for path in filter(None, names.split(os.pathsep)):
@@ -33,8 +27,7 @@ def hold_card_locks(environ: dict | None = None) -> list[int]:
         fds.append(fd)
     owner = (os.environ if environ is None else environ).get(OWNER_ENV)
     if fds and owner and not _alive(int(owner)):
-        # The run that held the cards ended while this process started (its parent gone before
-        # it could ask to die with it): a new run may own the cards now, so touch nothing.
+        # the run that held the cards ended while this process started: a new run may own them now
         raise SystemExit(f"the gpuflow run (pid {owner}) that holds this process's cards has ended; exiting")
     return fds
 

@@ -1,9 +1,5 @@
-"""Checkpoints: one file per epoch, written atomically, loaded with weights_only=True.
-
-A file holds {model, optimizer, scaler, epoch, rng, config}. `model` never carries the
-`module.` (DP/DDP) or `_orig_mod.` (torch.compile) prefix, so it loads with strict=True
-into the plain model class. Files written by other tools with those prefixes load too.
-"""
+"""Checkpoints: one file per epoch, written atomically, loaded with weights_only=True. `model` never carries the
+`module.` or `_orig_mod.` prefix, so it loads strictly into the plain model class."""
 
 from __future__ import annotations
 
@@ -42,8 +38,7 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def to_cpu(obj):
-    """A copy of nested dicts/lists with every tensor copied to the CPU (others as they are): it
-    stays as it is while training goes on."""
+    """A copy of nested dicts/lists with every tensor copied to the CPU: it stays as it is while training goes on."""
     if isinstance(obj, torch.Tensor):
         return obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):
@@ -152,8 +147,7 @@ def _torch_save(payload: dict, path: Path) -> None:
 
 
 def save_file(path: str | Path, payload) -> Path:
-    """torch.save to a temp file beside `path`, then rename: never half a file; a full disk
-    raises DiskFull (a UserError) naming the file."""
+    """torch.save atomically (never half a file); a full disk raises DiskFull naming the file."""
     return atomic_write(path, lambda tmp: _torch_save(payload, tmp))
 
 
@@ -170,11 +164,8 @@ class CheckpointStore:
         self._lock = None
 
     def claim(self) -> None:
-        """Hold the folder for this worker's lifetime: a second worker given it is refused.
-
-        The kernel drops the lock when this process ends, however it ends; a torchrun restart's
-        new rank 0 can then take it. Temp files of a writer killed mid-save are removed here.
-        """
+        """Hold the folder for this process's lifetime (a second worker is refused) and remove a killed writer's
+        temp files."""
         self.folder.mkdir(parents=True, exist_ok=True)
         f = open(self.folder / ".lock", "a+")
         try:
@@ -196,10 +187,7 @@ class CheckpointStore:
         return self.folder / f"epoch-{epoch:04d}.pt"
 
     def save(self, payload: dict, epoch: int) -> Path:
-        """Written to a temp file in the same folder, then renamed: never half a file.
-
-        A full disk raises DiskFull (a UserError) naming the file; no temp file is left.
-        """
+        """Write epoch `epoch`'s file atomically; a full disk raises DiskFull naming the file."""
         return save_file(self.path_for(epoch), payload)
 
     def epochs(self) -> list[int]:
@@ -209,8 +197,7 @@ class CheckpointStore:
         return sorted(int(m.group(1)) for p in self.folder.iterdir() if (m := NAME.match(p.name)))
 
     def retain(self, newest: int, history: list[dict], key: str, mode: str) -> None:
-        """Delete every epoch's checkpoint but the `newest` and the best by `key` in `history`
-        (`mode`: training/judged.py): a run's disk stays bounded, resume and the best stay."""
+        """Delete every epoch's checkpoint but the `newest` and the best by `key` in `history` (`mode`: min/max)."""
         epochs = self.epochs()
         keep = set(epochs[-newest:])
         scored = [h for h in history if isinstance(h.get(key), float)]
@@ -237,9 +224,7 @@ class CheckpointStore:
 
 
 class BackgroundWriter:
-    """Writes a run's epoch checkpoints on a thread of its own, one file at a time: the training loop
-    hands over a copy of the state and goes on. `then` runs once the file is whole and the folder
-    trimmed to the policy (the epoch's metrics line, which the relay uploads the file on)."""
+    """Writes epoch checkpoints on a thread of its own, one at a time, while training goes on."""
 
     def __init__(self, store: CheckpointStore):
         self.store = store
@@ -248,7 +233,7 @@ class BackgroundWriter:
         self._writing: Future | None = None
 
     def submit(self, payload: dict, epoch: int, retain: tuple, then: Callable[[], None]) -> None:
-        """`retain`: CheckpointStore.retain's arguments (newest, history, key, mode)."""
+        """Once the previous file is whole: write `payload`, CheckpointStore.retain(*retain), then `then()`."""
         self.wait()  # the previous file is whole (and its error, if any, raised) first
         self._writing = self._pool.submit(self._write, payload, epoch, retain, then)
 

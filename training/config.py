@@ -1,8 +1,5 @@
-"""Typed training config shared by the flow (parent) and the worker (child).
-
-The parent validates it, writes it to JSON, logs it whole to MLflow; the child reads the
-same JSON and stores it in every checkpoint. Validation errors name the value and the fix.
-"""
+"""Typed training config: the flow validates it and writes it to JSON; the worker reads that JSON and stores it in
+every checkpoint."""
 
 from __future__ import annotations
 
@@ -23,8 +20,7 @@ KNOWN_METRICS = {"classification": {"val_loss", "val_accuracy", "train_loss"}, "
 BUILTIN_MODELS_MODULE = "gpuflow.training.models"  # where the built-ins live (torch-free name for the flow)
 BUILTIN_DATASETS = ("digits", "synthetic", "mnist", "fashion-mnist", "cifar10")
 Precision = Literal["fp32", "bf16", "fp16"]
-# The rule, stated once: the device plan decides it (tasks/devices/assign.py); the worker's config and
-# its device pick (training/distributed.py) assert it.
+# the device plan decides it (tasks/devices/assign.py); the worker's config and device pick assert it
 FP16_NEEDS_CUDA = "precision 'fp16' needs CUDA and this run is on CPU; use 'bf16' or 'fp32'"
 Strategy = Literal["single", "dp", "ddp"]
 
@@ -49,8 +45,7 @@ def val_count(n: int, val_fraction: float) -> int:
 
 
 class Training(BaseModel):
-    """The training part of a flow's parameters: model, data, objective, optimisation and
-    reproducibility, as the user sets them (flows/params.py composes it with the other parts)."""
+    """The training part of a flow's parameters, as the user sets them (flows/params.py adds the other parts)."""
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=(), allow_inf_nan=False)
 
@@ -125,8 +120,7 @@ class Training(BaseModel):
     @field_validator("data_root", "resume")
     @classmethod
     def _absolute(cls, v: str, info) -> str:
-        """Paths mean what they meant where the user typed them: workers run in the run's folder.
-        A resume file that is not there is refused now, before a server starts or data is read."""
+        """Absolute, as meant where the user typed them (workers run elsewhere); a missing resume file is refused."""
         if v in ("auto", "never"):
             return v
         path = Path(v).expanduser().resolve()
@@ -151,9 +145,8 @@ DistTimeout = Annotated[float, Field(ge=10, le=86_400, description="collective/r
 
 
 class TrainConfig(Training):
-    """Everything the worker needs to train: the user's training fields, plus what the flow decides
-    from the device plan, the data and the run folder (flows/params.py worker_config), and nothing
-    about the host it runs on."""
+    """Everything the worker needs: the user's training fields plus what the flow decides (flows/params.py
+    worker_config), nothing about the host."""
 
     strategy: Strategy = Field("single", description="single device, nn.DataParallel, or DDP under torchrun")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto uses CUDA when the child sees a GPU")
@@ -195,8 +188,7 @@ class TrainConfig(Training):
 
 
 def batch_split(batch: int, devices: int, what: str, processes: int | None = None) -> str | None:
-    """Why a global batch does not fit `devices` (at least one sample each) or, under DDP, does not
-    split evenly over its `processes`; None when it does. The one rule: assignment, DDP setup, DP."""
+    """Why a global batch does not give each of `devices` a sample or split evenly over `processes`; else None."""
     if batch < devices:
         return f"global batch_size {batch} is smaller than the {devices} {what}; use batch_size >= {devices} or fewer devices"
     if processes and batch % processes:

@@ -1,17 +1,6 @@
-"""What the flow and the ranks agree on across the process boundary (torch-free): the
-structured error a failing rank leaves for the flow, instead of text parsed back out of logs.
-
-A rank that raises writes `<GPUFLOW_ERROR_DIR>/attempt-<n>/rank-<r>.json`: the exception's
-type and message, the file and line of the innermost frame of the user's code (else the
-innermost frame), the rank, the torchrun attempt, when, and whether the failure is
-*deterministic*: a refusal of bad input, or an exception before the attempt made any
-progress (no checkpoint or output written since it started). Running it again would fail the
-same way, so a restarted rank that finds such an error of the attempt before does not run
-the code again: it reports the same error and exits at once.
-
-Rank 0 of a user's script run in several processes also leaves `<GPUFLOW_PROCESS_GROUP_FILE>`
-when the script ends: whether it ever joined a process group. When it did not, each process
-trained a full copy on its own, and the flow says so (`not_distributed`).
+"""What the flow and the ranks agree on across the process boundary (torch-free): variables, the run folder, and
+the structured error a failing rank leaves in `<GPUFLOW_ERROR_DIR>/attempt-<n>/rank-<r>.json`. A *deterministic*
+error (bad input, or no progress since the attempt started) is not run again by a restarted rank.
 """
 
 from __future__ import annotations
@@ -43,16 +32,14 @@ PROCESS_GROUP_FILE = "process_group.json"  # its name in the run folder
 
 
 class RunFolder:
-    """A run's folder (`<runs_dir>/<run id>`) and every file and folder the flow and its
-    children write there."""
+    """A run's folder and every file and folder the flow and its children write there."""
 
     def __init__(self, root: str | os.PathLike):
         self.root = Path(root)
 
     @classmethod
     def of(cls, runs_dir: str | os.PathLike, run_id: str, node: str | None = None) -> "RunFolder":
-        """The one naming rule: `<runs_dir>/<run id>`; on a node of a placed run `<run id>-<node>`
-        (node 0 of a job started by hand owns the run; another has no run: `node<rank>-<random>`)."""
+        """`<runs_dir>/<run id>`, or `<run id>-<node>` on a node of a placed run."""
         return cls(Path(runs_dir).resolve() / (f"{run_id}-{node}" if node else run_id))
 
     config = property(lambda self: self.root / "config.json")  # the worker's TrainConfig (flow)
@@ -80,16 +67,14 @@ _OURS = (str(Path(__file__).resolve().parent), str(Path(os.__file__).resolve().p
 
 
 def whole_lines() -> None:
-    """One write per line on stdout and stderr (line buffering, no write-through): lines of
-    ranks sharing a pipe, or tailed from their files by torchrun, never merge or split."""
+    """One write per line on stdout and stderr, so lines of ranks sharing a pipe or file never merge or split."""
     for stream in (sys.stdout, sys.stderr):
         stream.reconfigure(line_buffering=True, write_through=False)
 
 
 @dataclass(frozen=True)
 class Ranks:
-    """This process's place in the job, as torchrun's environment says (the one reader of it):
-    global and local rank, the world size, the restart count; `under_torchrun` when it set them."""
+    """This process's place in the job, as torchrun's environment says (the one reader of it)."""
 
     rank: int
     local_rank: int
@@ -117,8 +102,7 @@ def _rank() -> int:
 
 
 def where(exc: BaseException) -> tuple[str | None, int | None]:
-    """(file, line) where `exc` was raised: for a SyntaxError the file it is in, else the innermost
-    frame outside gpuflow, the standard library and installed packages, else the innermost one."""
+    """(file, line) where `exc` was raised: the innermost frame of the user's code, else the innermost one."""
     if isinstance(exc, SyntaxError) and exc.filename:
         return exc.filename, exc.lineno
     frames = traceback.extract_tb(exc.__traceback__)
@@ -139,16 +123,15 @@ def made_progress(since: float, *folders: str | os.PathLike | None, top_level: s
 
 
 def _between_ranks(exc: BaseException) -> bool:
-    """A failure of the link between ranks (a peer died, a collective broke): the cause is
-    elsewhere, and may not come back on a restart."""
+    """A failure of the link between ranks: the cause is elsewhere, and may not come back on a restart."""
     text = f"{type(exc).__name__} {exc}"
     return any(k in text for k in ("DistBackendError", "DistNetworkError", "DistStoreError", "gloo", "NCCL",
                                    "Connection", "connection"))
 
 
 def write_error(exc: BaseException, deterministic: bool, hint: str = "", located: bool = True) -> None:
-    """Leave this rank's error for the flow (nothing when no flow asked for it). `located`:
-    name where it was raised (not for gpuflow's own refusals, whose message says it all)."""
+    """Leave this rank's error for the flow, when it asked. `located`: name where it was raised (not for
+    gpuflow's own refusals)."""
     folder = os.environ.get(ERROR_DIR_ENV)
     if not folder:
         return
@@ -178,8 +161,8 @@ def _records(folder: Path) -> list[dict]:
 
 
 def replay_deterministic() -> dict | None:
-    """In a restarted rank: the attempt before's deterministic error, now reported for this one
-    too (the caller exits with it instead of running the same code again); None otherwise."""
+    """In a restarted rank: the attempt before's deterministic error, recorded for this one too (the caller exits
+    instead of running the code again); None otherwise."""
     folder, attempt = os.environ.get(ERROR_DIR_ENV), _attempt()
     if not folder or attempt == 0:
         return None
@@ -223,8 +206,7 @@ def read_process_group(path: str | os.PathLike) -> dict | None:
 
 
 def not_distributed(script: str, world_size: int, after_s: float | None = None) -> str:
-    """One line: `script` ran (`after_s`: has been running that long) in `world_size` processes that
-    never joined a process group, so each trains a full copy; and the fix."""
+    """One line: `script` ran (`after_s`: has run that long) in processes that joined no group; and the fix."""
     what = (f"{script} ran in {world_size} processes that never joined a process group: each trained a full copy "
             "of the model and wrote the same files" if after_s is None else
             f"{script} has run {after_s:g} s in {world_size} processes and rank 0 has joined no process group: "

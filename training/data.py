@@ -1,9 +1,5 @@
-"""Datasets by name, a deterministic train/validation split, and fast loaders.
-
-Small datasets (digits, synthetic, mnist, fashion-mnist, cifar10) are held in memory as one
-tensor already shaped for the model, and batches are gathered by index in one shot: no
-per-sample Python, no collate. `imagefolder:<path>` stays lazy (torchvision ImageFolder).
-"""
+"""Datasets by name, a deterministic train/validation split, and fast loaders: built-in sets are one in-memory
+tensor, batches gathered by index in one shot; `imagefolder:<path>` stays lazy."""
 
 from __future__ import annotations
 
@@ -45,10 +41,7 @@ GPU_DATA_SHARE = 0.25  # in-memory data moves to the GPU when it takes at most t
 def data_to_device(bundle: DataBundle, device: torch.device, num_workers: int) -> tuple[DataBundle, bool]:
     """Put in-memory datasets on the GPU once, when they fit, and say whether it did.
 
-    Batches are then gathered on the GPU: no per-step host gather, pinning copy or
-    host-to-device transfer, which otherwise bound a fast GPU on small images (see
-    bench/RESULTS_GPU.md). Folder datasets, DataLoader workers and CPU runs are left as is.
-    """
+    Batches are then gathered there, with no per-step host-to-device copy (bench/RESULTS_GPU.md)."""
     parts = (bundle.train, bundle.val)
     if device.type != "cuda" or num_workers > 0 or not all(isinstance(d, TensorData) for d in parts):
         return bundle, False
@@ -84,8 +77,7 @@ def _synthetic(cfg: TrainConfig):
 def _torchvision(cfg: TrainConfig):
     from torchvision import datasets
 
-    cls = {"mnist": datasets.MNIST, "fashion-mnist": datasets.FashionMNIST,
-           "cifar10": datasets.CIFAR10}[cfg.dataset]
+    cls = {"mnist": datasets.MNIST, "fashion-mnist": datasets.FashionMNIST, "cifar10": datasets.CIFAR10}[cfg.dataset]
     root = Path(cfg.data_root).expanduser()
     try:
         ds = cls(root=str(root), train=True, download=cfg.download)
@@ -138,13 +130,10 @@ def present_classes(y: torch.Tensor) -> list[str]:
 
 
 def prepare(cfg: TrainConfig) -> dict:
-    """The flow's data step: read the source once, fingerprint it, write the prepared file.
+    """The flow's data step: read the source once, fingerprint it, write the prepared file (named sources only).
 
-    Returns {"cache": path or None, "num_samples", "num_classes", "classes" (those present),
-    "input_shape", "sha256"}. Named sources go to a prepared file (training/datacache.py) that
-    the workers load instead of the source; synthetic data and image folders are described only.
-    Every image of an image folder is decoded once here, so a bad file stops the run before it starts.
-    """
+    {"cache": path or None, "num_samples", "num_classes", "classes" (those present), "input_shape", "sha256"}.
+    Every image of an image folder is decoded once here, so a bad file stops the run before it starts."""
     if cfg.dataset.startswith("imagefolder:"):
         b = _load_imagefolder(cfg)
         folder = b.train.dataset
@@ -166,11 +155,9 @@ def prepare(cfg: TrainConfig) -> dict:
 
 
 def load_data(cfg: TrainConfig, fingerprint: bool = True) -> DataBundle:
-    """Load, split and shape the dataset named in `cfg` for `cfg.model`.
+    """Load (from `cfg.data_cache` when set), split and shape the dataset named in `cfg` for `cfg.model`.
 
-    With `cfg.data_cache` (set by the flow's data step) the prepared file is read instead of
-    the source. fingerprint=False skips hashing the data (workers: the flow recorded it).
-    """
+    fingerprint=False skips hashing the data (workers: the flow recorded it)."""
     if refs.is_reference(cfg.dataset):
         return user_datasets(cfg)
     if cfg.dataset.startswith("imagefolder:"):
@@ -195,9 +182,7 @@ def _load_imagefolder(cfg: TrainConfig) -> DataBundle:
 
     root = Path(cfg.dataset.split(":", 1)[1]).expanduser()
     if not root.is_dir():
-        raise DatasetError(
-            f"imagefolder path {str(root)!r} is not a folder; expected <path>/<class>/<image>"
-        )
+        raise DatasetError(f"imagefolder path {str(root)!r} is not a folder; expected <path>/<class>/<image>")
     if not any(p.is_dir() for p in root.iterdir()):
         raise DatasetError(f"imagefolder {str(root)!r} has no class folders; expected <path>/<class>/<image>, "
                            "one folder of images per class")
@@ -268,16 +253,12 @@ def _loader(ds: Dataset, sampler, batch_size: int, cfg: TrainConfig, pin: bool) 
                   generator=torch.Generator().manual_seed(cfg.seed))
     if isinstance(ds, TensorData):
         # One __getitem__ per batch: the sampler yields lists of indices.
-        return DataLoader(ds, sampler=BatchSampler(sampler, batch_size, drop_last=False),
-                          batch_size=None, **common)
+        return DataLoader(ds, sampler=BatchSampler(sampler, batch_size, drop_last=False), batch_size=None, **common)
     return DataLoader(ds, sampler=sampler, batch_size=batch_size, **common)
 
 
 def train_loader(ds: Dataset, cfg: TrainConfig, rank: int, world: int, pin: bool):
-    """Shuffled loader whose order depends only on (seed, epoch): resumable, rank-sharded.
-
-    Returns (loader, sampler); call sampler.set_epoch(epoch) before every epoch.
-    """
+    """(loader, sampler), shuffled by (seed, epoch) alone and rank-sharded; call sampler.set_epoch(epoch) first."""
     sampler = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed)
     return _loader(ds, sampler, cfg.batch_size // world, cfg, pin), sampler
 

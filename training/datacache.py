@@ -1,21 +1,6 @@
-"""Prepared datasets: the flow reads a named source once into one tensor file; workers load that.
-
-    {data_root}/.gpuflow-cache/{dataset}-{key}.pt     {"x": N,C,H,W, "y": N, "num_classes": K}
-    {data_root}/.gpuflow-cache/{dataset}-{key}.json   what the flow needs, without torch
-
-`key` hashes the source's signature: the library version and the size and mtime of every
-source file (scikit-learn's digits file, or the files under the torchvision folder). Editing,
-replacing or re-downloading the source changes the key, so a stale file is never read.
-The description also records the sha256 of the prepared file's bytes (`file_sha256`); a file
-whose bytes no longer match (a flipped bit, an edit, a half-copied folder) counts as missing
-and is rebuilt. `sha256` stays the fingerprint of the data itself (training/data.py).
-
-Why: every worker otherwise imports scikit-learn (~1.2 s) or torchvision and decodes the
-source again, and the flow does it too to fingerprint the data, on every run. With the file
-prepared, the flow's data step on a later run is a few stat calls, a JSON read and one sha256
-of the file (no torch, no scikit-learn), and each worker loads one tensor file. Nothing here
-imports torch at module level: the flow uses `lookup` before torch is loaded.
-"""
+"""Prepared datasets: the flow reads a named source once into `{data_root}/.gpuflow-cache/{dataset}-{key}.pt`,
+with a `.json` description, and workers load that. `key` hashes the source files' sizes and mtimes and the library
+version; a file whose bytes no longer match the recorded sha256 counts as missing. No torch at module level."""
 
 from __future__ import annotations
 
@@ -67,10 +52,9 @@ def source_signature(dataset: str, data_root: str) -> dict | None:
 
 
 def check_sizes(counts: str, n_train: int, n_val: int, world_size: int, fix: str) -> None:
-    """Each process trains on a shard of the training set and validates on a shard of the
-    validation set: refuse, before any starts, a dataset leaving one of them an empty shard.
-    `counts` says what the dataset holds, `fix` what the user can do; every dataset, built-in
-    or the user's, goes through this one rule."""
+    """Refuse a dataset that leaves a process an empty training or validation shard (DatasetError).
+
+    `counts` says what the dataset holds, `fix` what the user can do."""
     if n_train >= world_size and n_val >= world_size:
         return
     each = f"{world_size} (one per process)" if world_size > 1 else "1"
@@ -79,8 +63,7 @@ def check_sizes(counts: str, n_train: int, n_val: int, world_size: int, fix: str
 
 
 def synthetic_description(size: int, side: int) -> dict:
-    """The synthetic set without generating it: it is defined by its size, side and generator
-    (training/data.py `_synthetic`, seeded), so its fingerprint is that definition's hash."""
+    """The synthetic set's description without generating it: its fingerprint hashes its definition."""
     definition = ["synthetic", SYNTHETIC_VERSION, _version("torch"), int(size), int(side)]
     return {"num_samples": int(size), "num_classes": 10, "native_shape": [1, int(side), int(side)],
             "sha256": hashlib.sha256(json.dumps(definition).encode()).hexdigest()}
@@ -99,8 +82,7 @@ def paths(dataset: str, data_root: str, signature: dict) -> tuple[Path, Path]:
 
 
 def lookup(dataset: str, data_root: str) -> tuple[Path, dict] | None:
-    """The prepared file and its description, when one matches the source as it is now and
-    its bytes are those recorded when it was written."""
+    """(the prepared file, its description) when one matches the source as it is now, bytes intact; else None."""
     if dataset not in CACHED:
         return None
     sig = source_signature(dataset, data_root)
@@ -117,13 +99,11 @@ def lookup(dataset: str, data_root: str) -> tuple[Path, dict] | None:
     return None
 
 
-def store(dataset: str, data_root: str, x, y, num_classes: int, fingerprint: dict,
-          classes: list[str]) -> Path | None:
-    """Write the prepared file (atomically: concurrent runs may race) and its description.
+def store(dataset: str, data_root: str, x, y, num_classes: int, fingerprint: dict, classes: list[str]) -> Path | None:
+    """Write the prepared file (atomically: concurrent runs may race) and its description; its path.
 
-    Returns None, and the workers read the source themselves, when there is no signature or
-    the folder is not writable. A full disk raises DiskFull (training/files.py), leaving no temp file.
-    """
+    None, and the workers read the source, when there is no signature or the folder is not writable; a full disk
+    raises DiskFull."""
     import torch
 
     sig = source_signature(dataset, data_root) if dataset in CACHED else None
@@ -134,8 +114,7 @@ def store(dataset: str, data_root: str, x, y, num_classes: int, fingerprint: dic
         digest = {}
 
         def write(tmp: Path) -> None:
-            # Through a file object: the archive's inner name is then fixed ("archive"), not the
-            # random temp name, so the same data always gives the same bytes (and file_sha256).
+            # through a file object: the archive's inner name is fixed, so the same data gives the same bytes
             with open(tmp, "wb") as f:
                 torch.save({"x": x.contiguous(), "y": y.contiguous(), "num_classes": int(num_classes)}, f)
             digest["sha256"], digest["size"] = file_sha256(tmp), tmp.stat().st_size

@@ -39,11 +39,8 @@ class DistContext:
 def _pick_device(cfg: TrainConfig, local_rank: int) -> torch.device:
     cuda = torch.cuda.is_available()
     if cfg.device == "cuda" and not cuda:
-        raise LaunchError(
-            "device 'cuda' was asked for but this process sees no GPU "
-            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); "
-            "use device 'cpu' or 'auto'"
-        )
+        raise LaunchError("device 'cuda' was asked for but this process sees no GPU (CUDA_VISIBLE_DEVICES="
+                          f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}); use device 'cpu' or 'auto'")
     if not (cuda and cfg.device != "cpu"):
         if cfg.precision == "fp16":
             raise LaunchError(FP16_NEEDS_CUDA)
@@ -51,10 +48,8 @@ def _pick_device(cfg: TrainConfig, local_rank: int) -> torch.device:
     if cfg.strategy != "ddp":
         return torch.device("cuda", 0)
     if local_rank >= torch.cuda.device_count():
-        raise LaunchError(
-            f"local rank {local_rank} has no GPU: this process sees {torch.cuda.device_count()}; "
-            "start torchrun with --nproc_per_node at most the number of visible GPUs"
-        )
+        raise LaunchError(f"local rank {local_rank} has no GPU: this process sees {torch.cuda.device_count()}; "
+                          "start torchrun with --nproc_per_node at most the number of visible GPUs")
     torch.cuda.set_device(local_rank)  # before anything else touches CUDA
     return torch.device("cuda", local_rank)
 
@@ -64,14 +59,10 @@ def setup(cfg: TrainConfig) -> DistContext:
     here = ranks()
     world, rank, local_rank = here.world_size, here.rank, here.local_rank
     if cfg.strategy == "ddp" and not here.under_torchrun:
-        raise LaunchError(
-            "strategy 'ddp' needs torchrun: torchrun --nproc_per_node=N -m gpuflow.training --config CFG"
-        )
+        raise LaunchError("strategy 'ddp' needs torchrun: torchrun --nproc_per_node=N -m gpuflow.training --config CFG")
     if cfg.strategy != "ddp" and world > 1:
-        raise LaunchError(
-            f"strategy {cfg.strategy!r} runs as one process but WORLD_SIZE={world}; "
-            "use strategy 'ddp' under torchrun, or run with python -m gpuflow.training"
-        )
+        raise LaunchError(f"strategy {cfg.strategy!r} runs as one process but WORLD_SIZE={world}; "
+                          "use strategy 'ddp' under torchrun, or run with python -m gpuflow.training")
     if cfg.strategy == "ddp" and (why := batch_split(cfg.batch_size, world, "processes", world)):
         raise LaunchError(why)
     device = _pick_device(cfg, local_rank)
@@ -82,7 +73,7 @@ def setup(cfg: TrainConfig) -> DistContext:
 
 
 def init_group(backend: str, timeout: timedelta) -> None:
-    """init_process_group on the env:// store, under a key prefix unique to this attempt (training/compat.py)."""
+    """init_process_group on the env:// store, under a key prefix unique to this attempt (pytorch#167288)."""
     from torch.distributed.rendezvous import rendezvous
 
     store, rank, world = next(rendezvous("env://", timeout=timeout))

@@ -1,8 +1,5 @@
-"""The one base class for mistakes a user can fix (bad value, missing file, wrong checkpoint).
-
-Entry points catch `UserError` by type and print its message, which names the value and the
-fix, as one line with exit code 2; anything else is a bug and keeps its traceback.
-"""
+"""Mistakes a user can fix: entry points catch `UserError` by type and print its message as one line
+(exit code 2); anything else is a bug and keeps its traceback."""
 
 
 class UserError(Exception):

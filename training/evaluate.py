@@ -42,14 +42,12 @@ def _device(device: str) -> torch.device:
 
 
 def _from_script(payload: dict) -> bool:
-    """A checkpoint the train-script flow wrote for a script's declared model: its class
-    reference and arguments (`model_spec`), no training config."""
+    """A checkpoint written for a script's declared model: a `model_spec`, no training config."""
     return "model_spec" in payload and "config" not in payload
 
 
 def _vetted(payload: dict, checkpoint: str) -> dict:
-    """The checkpoint's payload, once what it names (code, folders) passed the served run's policy,
-    when there is one: a store's contents are as untrusted as a caller's parameters."""
+    """The payload, once what it names passed a served run's policy: a store is as untrusted as a caller."""
     policy = Policy.from_env()
     if policy is not None:
         source = f"checkpoint {os.path.basename(checkpoint)}"
@@ -89,10 +87,8 @@ SAVE_INPUTS = ("save it with torch.save({{'inputs': x}}, {path!r}), x a tensor o
 
 
 def load_inputs(path: str) -> torch.Tensor | dict[str, torch.Tensor]:
-    """A file's inputs, dtypes kept: a tensor (the model's one input) or {name: tensor} (its
-    keyword inputs, `forward(**inputs)`). A .pt file saved as {'inputs': tensor or {name: tensor}},
-    loaded with weights_only=True; a .npy array; a .npz of named arrays (as the registered
-    model's input example is)."""
+    """A tensor or {name: tensor} (keyword inputs), dtypes kept, from a .pt file saved as {'inputs': ...}, a .npy
+    array or a .npz of named arrays; UserError naming how to save it otherwise."""
     save_as = SAVE_INPUTS.format(path=path)
     if path.endswith((".npy", ".npz")):
         return _named_inputs(_load_arrays(path, save_as), path, save_as)
@@ -153,8 +149,7 @@ def _where(dev: torch.device) -> dict:
             "device_name": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu"}
 
 
-def evaluate(checkpoint: str, split: str = "val", device: str = "auto", batch_size: int = 512,
-             **overrides) -> dict:
+def evaluate(checkpoint: str, split: str = "val", device: str = "auto", batch_size: int = 512, **overrides) -> dict:
     payload = _vetted(load_file(checkpoint), checkpoint)
     cfg = _config(payload, checkpoint, **overrides)
     bundle = load_data(cfg, fingerprint=False)
@@ -163,8 +158,7 @@ def evaluate(checkpoint: str, split: str = "val", device: str = "auto", batch_si
                      "evaluate on a dataset like the one the model was trained on")
     dev = _device(device)
     use_cuda = dev.type == "cuda"
-    model = _model(cfg, payload, checkpoint, bundle.num_classes or payload.get("num_classes"),
-                   bundle.input_shape, dev)
+    model = _model(cfg, payload, checkpoint, bundle.num_classes or payload.get("num_classes"), bundle.input_shape, dev)
     objective = load_objective(cfg.objective, cfg.code_root)
     data = bundle.val if split == "val" else _concat(bundle.train, bundle.val)
     loader = torch.utils.data.DataLoader(data, batch_size=batch_size, pin_memory=use_cuda)
@@ -184,8 +178,7 @@ def evaluate(checkpoint: str, split: str = "val", device: str = "auto", batch_si
 
 @torch.no_grad()
 def predict(checkpoint: str, inputs: str, device: str = "auto", batch_size: int = 512) -> dict:
-    """Class and probabilities for each sample of an inputs file (see load_inputs), or the
-    model's outputs ({name: outputs} for a dict output) for an objective of your own."""
+    """Class and probabilities for each sample of an inputs file, or the model's outputs for an own objective."""
     payload = _vetted(load_file(checkpoint), checkpoint)
     x = load_inputs(inputs)
     if isinstance(x, torch.Tensor):
@@ -213,9 +206,8 @@ def predict(checkpoint: str, inputs: str, device: str = "auto", batch_size: int 
 
 
 def _outputs(model, x, dev: torch.device, batch_size: int, path: str):
-    """The model's outputs for every sample of `x`, batch by batch, on the CPU: a tensor, or
-    {name: tensor} for a dict output. Inputs keep their dtypes (int64 token ids stay int64);
-    floats run as float32, as the weights are."""
+    """The model's outputs for every sample of `x`, batch by batch, on the CPU; floats run as float32, as the
+    weights are, other dtypes kept."""
     to_model = (lambda t: t.to(dev).float() if t.is_floating_point() else t.to(dev))
     n = batch_len(x)
     try:

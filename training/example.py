@@ -14,11 +14,8 @@ from .objective import apply, call_model, split_batch
 
 @torch.no_grad()
 def model_example(model, val, device, n: int = 2) -> tuple:
-    """The first `n` validation inputs, as an array or, for a model taking named inputs, a dict of
-    arrays (None for positional tuples), each of its own dtype (floats as float32); and the model's
-    outputs on them as [{"name", "dtype", "shape" per sample}]: one unnamed entry for a tensor, the
-    tensors of a dict output by name (None for other outputs). Dtypes are those the registered
-    model's predict returns."""
+    """(the first `n` validation inputs as an array or a dict of arrays, the model's outputs on them as
+    [{"name", "dtype", "shape"}]); (None, None) for positional tuple inputs. Floats become float32."""
     inputs, _ = split_batch(default_collate([val[i] for i in range(min(n, len(val)))]))
     if not (isinstance(inputs, torch.Tensor) or
             isinstance(inputs, dict) and all(isinstance(v, torch.Tensor) for v in inputs.values())):

@@ -8,11 +8,10 @@ from .contract import ranks
 
 
 def fault_hook(spec: str | None):
-    """Test-only fault injection: GPUFLOW_FAULT='rank=1,epoch=2,restart=0[,step=N][,once=PATH]'.
+    """f(rank, epoch, step) that kills the process at the point `spec` names, or None when unset.
 
-    Kills the process at that point of the given torchrun restart; with `once`, only if
-    PATH does not exist yet (it is created first), so a fresh launch after it succeeds.
-    Returns f(rank, epoch, step), or None when unset.
+    spec: 'rank=1,epoch=2,restart=0[,step=N][,once=PATH]'; with `once`, only while PATH does not exist (it is
+    created first), so a fresh launch after it succeeds.
     """
     if not spec:
         return None

@@ -17,8 +17,7 @@ FULL = (errno.ENOSPC, errno.EDQUOT)
 def atomic_write(path: str | Path, write: Callable[[Path], None], mode: int = 0o644) -> Path:
     """Call write(tmp) on a temp file beside `path`, fsync it, then rename it over `path`.
 
-    On any failure the temp file is removed; a full disk (or quota) raises DiskFull naming `path`.
-    """
+    On any failure the temp file is removed; a full disk (or quota) raises DiskFull naming `path`."""
     path = Path(path)
     try:
         return _write_and_rename(path, write, mode)

@@ -9,10 +9,8 @@
         helper.report({"loss": loss}, step=epoch + 1)   # live in the flow's MLflow run
         helper.save_checkpoint(model, optimizer, epoch=epoch + 1)
 
-Every call may be made on every rank: reports and checkpoints are global rank 0's only.
-Under the flow, files go to the run's output folder (GPUFLOW_OUTPUT_DIR, the same across
-torchrun restarts) and metrics to the file the flow relays to MLflow (GPUFLOW_METRICS_FILE).
-Run by hand under plain torchrun, the helper only writes files, under ./gpuflow-output.
+Every call may be made on every rank: reports and checkpoints are global rank 0's only. Under the flow, files
+go to the run's output folder and metrics live to MLflow; under plain torchrun, files go to ./gpuflow-output.
 """
 
 from __future__ import annotations
@@ -52,10 +50,9 @@ def report(metrics: dict[str, float], step: int) -> None:
 
 
 def declare_model(reference: str, *, input_example=None, **kwargs) -> None:
-    """Name the model class (`package.module:Class` or `file.py:Class`) and the keyword arguments
-    that rebuild it, so the flow registers the trained weights as a model that loads anywhere.
-    `input_example`, a small batch (a tensor, or a dict of tensors), becomes the registered model's
-    input example and signature."""
+    """Name the model class (`package.module:Class` or `file.py:Class`) and the keyword arguments that rebuild
+    it, so the flow registers the trained weights as a model. `input_example`, a small batch (a tensor, or a dict
+    of tensors), becomes the registered model's input example and signature."""
     if not is_main():
         return
     if ":" not in reference:
@@ -71,10 +68,9 @@ def declare_model(reference: str, *, input_example=None, **kwargs) -> None:
 
 def save_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, epoch: int,
                     **extra) -> Path | None:
-    """Write checkpoints/epoch-<epoch>.pt atomically on rank 0: the unwrapped model's state dict
-    (no `module.`/`_orig_mod.` prefix, CPU tensors), the optimizer's, `epoch` (epochs done), the
-    random generators' states (Python, NumPy, torch, CUDA: as gpuflow's worker keeps them) and
-    `extra` tensors or plain values. Returns the path on rank 0, else None."""
+    """Write checkpoints/epoch-<epoch>.pt atomically on rank 0: the unwrapped model's state dict, the optimizer's,
+    `epoch` (epochs done), the random generators' states and `extra` tensors or plain values. The path on rank 0,
+    else None."""
     if not is_main():
         return None
     payload = {"model": clean_state_dict(model_state(model)), "epoch": int(epoch), "rng": rng_state(), **extra}
@@ -89,11 +85,8 @@ def checkpoints() -> CheckpointStore:
 
 
 def resume(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
-    """Load the newest checkpoint into `model` (and `optimizer`) on every rank and restore the
-    random generators as rank 0 saved them (dropout and random augmentation continue the
-    same streams); returns the epochs it had done, so `range(resume(...), epochs)` continues
-    after a torchrun restart with the next epoch, never repeating the last one. 0 when there
-    is none."""
+    """Load the newest checkpoint into `model` (and `optimizer`) on every rank and restore the random generators;
+    the epochs it had done (0 when there is none), so `range(resume(...), epochs)` continues with the next one."""
     path = checkpoints().latest()
     if path is None:
         return 0

@@ -1,5 +1,5 @@
-"""Which metric judges a run, and which way is better: the one rule, torch-free, for the sweep's
-target, the retrain's comparison, the space file's check and the worker's best checkpoint."""
+"""Which metric judges a run, and which way is better: the one torch-free rule for the sweep, the retrain,
+the space file and the worker's best checkpoint."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ from .config import BUILT_IN_OBJECTIVES as BUILT_IN
 
 
 def monitored(objective: str, code_root: str | None = None) -> tuple[str, str]:
-    """(the metric an objective monitors, its mode): a built-in's, or the user objective's own
-    (importing user code, as the preflight does)."""
+    """(the metric an objective monitors, its mode); a user objective's import runs its code."""
     if objective in BUILT_IN:
         return BUILT_IN[objective]
     from .objective import load_objective
@@ -18,8 +17,7 @@ def monitored(objective: str, code_root: str | None = None) -> tuple[str, str]:
 
 
 def mode_of(metric: str, monitor: str, mode: str) -> str:
-    """min or max for `metric` (val_ and eval prefixes aside): the objective's mode for its own
-    monitor; lower for a loss, higher for an accuracy; otherwise the objective's mode."""
+    """min or max for `metric` (val_ prefix aside): `mode` for the monitor, min for a loss, max for an accuracy."""
     name = metric.removeprefix("val_")
     if name == monitor:
         return mode

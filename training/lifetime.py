@@ -1,10 +1,5 @@
-"""How gpuflow's processes end: with their parent, and on SIGTERM as on any other exit.
-
-A child asks the kernel for a signal when its parent dies (Linux's PR_SET_PDEATHSIG), so a
-flow killed outright (SIGKILL, the OOM killer) takes its torchrun agent, the ranks and its
-temporary Prefect API with it. SIGTERM raises SystemExit, so `finally` blocks and exit
-handlers run: temp files are removed, process groups closed, runs ended.
-"""
+"""How gpuflow's processes end: with their parent (PR_SET_PDEATHSIG, so a flow killed outright takes its
+children with it), and on SIGTERM as on any other exit (`finally` blocks and exit handlers run)."""
 
 from __future__ import annotations
 
@@ -19,8 +14,7 @@ PR_SET_PDEATHSIG = 1
 def die_with_parent(sig: int = signal.SIGTERM, parent: int | None = None) -> None:
     """Have the kernel send `sig` to this process when its parent exits (Linux; else nothing).
 
-    `parent`: the pid the caller expects as parent; if it is already gone, `sig` comes now.
-    """
+    `parent`: the pid the caller expects as parent; if it is already gone, `sig` comes now."""
     if not sys.platform.startswith("linux"):
         return
     libc = ctypes.CDLL(None, use_errno=True)

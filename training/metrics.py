@@ -1,9 +1,5 @@
-"""Rank 0's per-epoch metrics: one JSON line per epoch, appended to a file the flow names.
-
-The flow sets GPUFLOW_METRICS_FILE and relays each complete line to its MLflow run while the
-workers train (gpuflow.tasks.tracking.tracked.MetricsRelay), so the ranks never import MLflow. A
-worker started by hand has no such file; its metrics are in result.json.
-"""
+"""Rank 0's per-epoch metrics: one JSON line per epoch, appended to GPUFLOW_METRICS_FILE, which the flow relays
+to MLflow (tasks/tracking/tracked.py), so the ranks never import MLflow."""
 
 from __future__ import annotations
 
@@ -12,9 +8,9 @@ import os
 import sys
 import time
 
-from .contract import METRICS_FILE_ENV, OUTPUT_DIR_ENV  # noqa: F401  (OUTPUT_DIR_ENV: helper's)
+from .contract import METRICS_FILE_ENV
 
-MODEL_FILE = "model.json"  # in that folder: the model the script declared (reference and kwargs)
+MODEL_FILE = "model.json"  # in a script's output folder: the model it declared (reference and kwargs)
 EXAMPLE_STEM = "input_example"  # and its input example, when declared with one: .npy, or .npz (named inputs)
 
 
@@ -58,5 +54,4 @@ class MetricsFile:
 
     @staticmethod
     def _warn(why: str) -> None:
-        print(f"[rank 0] warning: live metrics off, result.json keeps them all: {why}",
-              file=sys.stderr, flush=True)
+        print(f"[rank 0] warning: live metrics off, result.json keeps them all: {why}", file=sys.stderr, flush=True)

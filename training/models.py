@@ -1,8 +1,5 @@
-"""The built-in models. `mlp` is exactly the seeds' SimpleNN, so its checkpoints load into it.
-
-Self-contained (torch and torchvision only): the registered model ships this file as its
-code, so a built-in model loads where gpuflow is not installed, as a user's model does.
-"""
+"""The built-in models; `mlp` is exactly the seeds' SimpleNN, so its checkpoints load into it.
+Torch and torchvision only: the registered model ships this file, so it loads where gpuflow is not installed."""
 
 from __future__ import annotations
 
@@ -33,12 +30,9 @@ def _pool_matrix(n_in: int, n_out: int, like: torch.Tensor) -> torch.Tensor:
 
 
 class AdaptiveAvgPool2d(nn.AdaptiveAvgPool2d):
-    """nn.AdaptiveAvgPool2d that also trains under `deterministic=True` on CUDA.
+    """nn.AdaptiveAvgPool2d that also trains under `deterministic=True` on CUDA, where the stock backward raises.
 
-    CUDA's adaptive_avg_pool2d backward accumulates with atomics, so with
-    torch.use_deterministic_algorithms(True) it raises. In that mode this computes the same
-    average as two matrix products (P_h @ x @ P_w^T), whose backward is deterministic;
-    otherwise it is the stock kernel. No parameters: state dicts are unchanged.
+    In that mode it averages as two matrix products (P_h @ x @ P_w^T); no parameters, so state dicts are unchanged.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

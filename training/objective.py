@@ -4,23 +4,19 @@ Batches: a tensor (inputs, no target), a tuple/list `(inputs..., target)`, or a 
 `target`/`label`/`labels`/`y` entry is the target and whose other entries are the model's
 keyword inputs. Outputs: a tensor, or a dict (classification reads its `logits`).
 
-An objective is `classification` (cross-entropy, accuracy: the default) or a reference to
+An objective is `classification` (cross-entropy, accuracy: the default), `model-loss`, or a reference to
 user code (`--objective myproj.losses:Regression`), one of:
 - a class or object with `loss(output, target)` -> scalar tensor, the batch mean; optionally
-  `metrics(output, target)` -> {name: (sum, count)} per batch, which gpuflow all-reduces and
-  divides (an exact mean over every sample of every rank, never a mean of means), and
-  `epoch_metrics(outputs, targets)` -> {name: float}, given the whole validation set's
-  outputs gathered to rank 0 once an epoch (each sample once, in dataset order), for
-  metrics that need it (AUC, F1); and `monitor` (a metric name, default "loss") with
-  `mode` ("min" or "max"), what the retrain flow compares;
+  `metrics(output, target)` -> {name: (sum, count)} per batch, an exact mean over every sample of
+  every rank; `epoch_metrics(outputs, targets)` -> {name: float} on the whole validation set, on
+  rank 0, each sample once in dataset order (AUC, F1); and `monitor` (a metric name, default
+  "loss") with `mode` ("min" or "max"), what the retrain flow compares;
 - a loss function or an `nn.Module` loss class (e.g. `torch.nn:MSELoss`): the loss alone.
 
-The model is called with the batch's inputs alone: the target goes to the objective. A model
-that computes its own loss when given its labels (Hugging Face style, `labels=`) gets them
-when the objective says so with `pass_target_as = "labels"` (the keyword's name); its loss
-then reads the model's own, e.g. `output["loss"]`. `model-loss` is that objective built in:
-the target is passed as `labels` and the loss is the output's `loss` (a dict entry or an
-attribute), monitored as the validation loss.
+The model is called with the batch's inputs alone. A model that computes its own loss from its
+labels (Hugging Face style) gets the target when the objective sets `pass_target_as = "labels"`
+(the keyword's name), and its loss reads the model's, e.g. `output["loss"]`. `model-loss` is that
+objective built in, monitored as the validation loss.
 """
 
 from __future__ import annotations
@@ -185,9 +181,8 @@ def load_objective(name: str, code_root: str | None = None) -> Objective:
 
 
 class Totals:
-    """One pass's loss and metric sums with their counts (tensors on the batches' device: no
-    sync per batch), and, when the objective has epoch_metrics, every output and target on
-    the CPU. Training's validation and gpuflow evaluate both count this way."""
+    """One pass's loss and metric sums with their counts (on the batches' device: no sync per batch), and every
+    output and target on the CPU when the objective has epoch_metrics."""
 
     def __init__(self, objective: Objective):
         self.objective = objective

@@ -1,24 +1,9 @@
-"""The door of a served deployment: one policy of what its runs may touch (torch-free).
+"""The door of a served deployment: what its runs may touch, checked as what each name resolves to (torch-free).
 
-Whoever can create a flow run can pass any parameter, and whoever can write to a store a run
-reads back (a tracking server, a registered version's checkpoint) controls what comes back. A
-reference imports and calls code, a path reads or writes files, a store URI sends a run's
-records somewhere. So in a served run (never a local `gpuflow run`, where the user runs their
-own code) only what the operator allowed with `gpuflow serve` passes, checked as what it
-resolves to:
-
-- a reference to a class or function *defined* in an allowed package (`--allow-code myproj`,
-  whole top-level names), by one name or as `Class.method`, whose module is a real module of
-  that package (not its `__main__`); a file reference to a project file in the allowed folders;
-- paths (links followed) inside the allowed folders (`--allow-paths`, default: serve's folder);
-- the operator's own tracking store, one it named (`--allow-stores`) or a SQLite file in the
-  allowed folders; a study storage that is such a named store or a SQLite file there, decided on the file SQLite would
-  open (`file:` URIs and query strings included), never the tracking store's own file.
-
-What a run reads back from a store is checked by the same policy: a checkpoint's config names
-a model, dataset, objective and code folder (`check_config`), and the evaluation child applies
-it before it imports anything (training/evaluate.py). The flow side builds the policy from the
-operator's settings (flows/allow.py); the children get it through `POLICY_ENV`.
+Whoever can create a flow run can pass any parameter, and whoever can write to a store a run reads back controls
+what comes back; so a served run (never a local `gpuflow run`) may name, in its parameters and in what it reads
+back, only what `gpuflow serve` allowed: code defined in allowed packages or project files in allowed folders,
+paths in those folders, the operator's tracking store, a named store or a SQLite file there.
 """
 
 from __future__ import annotations
@@ -47,7 +32,7 @@ class NotAllowed(UserError):
 
 @dataclass(frozen=True)
 class Policy:
-    """What a served run may name: packages, folders and stores (see the module's docstring)."""
+    """What a served run may name: packages, folders and stores; children get it through POLICY_ENV."""
 
     packages: frozenset[str] = frozenset()
     folders: tuple[Path, ...] = ()
@@ -67,8 +52,7 @@ class Policy:
         if not raw:
             return None
         d = json.loads(raw)
-        return cls(frozenset(d["packages"]), tuple(Path(f) for f in d["folders"]), d["home_store"],
-                   tuple(d["stores"]))
+        return cls(frozenset(d["packages"]), tuple(Path(f) for f in d["folders"]), d["home_store"], tuple(d["stores"]))
 
     @property
     def shown(self) -> str:
@@ -106,7 +90,7 @@ class Policy:
             self.check_storage(storage, tracking or self.home_store)
 
     def check_reference(self, name: str, value, code_root: str | None) -> None:
-        """The reference's module is allowed, and what it names is the allowed code's own class or function."""
+        """Refuse a reference unless it names a class or function defined in the allowed code."""
         value = _text(name, value)
         if is_file_reference(value):
             path = self.check_path(name, value, split(value)[0])
@@ -139,8 +123,8 @@ class Policy:
         return real
 
     def check_store(self, name: str, uri) -> None:
-        """A tracking store: the operator's own, one the operator allowed by name, or a SQLite file
-        in the allowed folders (which a run writes anyway: a placed run's nodes share one)."""
+        """A tracking store: the operator's own, one allowed by name, or a SQLite file in the allowed folders
+        (a run writes there anyway)."""
         uri = _text(name, uri)
         if same_store(uri, self.home_store) or any(same_store(uri, s) for s in self.stores):
             return
@@ -169,8 +153,7 @@ class Policy:
     # --- what a run reads back from a store -------------------------------------------------
 
     def check_config(self, config: dict, source: str) -> None:
-        """A checkpoint's config (or a script checkpoint's model spec), as it came from a store:
-        the code it names and the folders it reads, before anything is imported."""
+        """The code and folders a checkpoint's config (or a script's model spec) names, before anything is imported."""
         if not isinstance(config, dict):
             raise NotAllowed(f"{source} holds no config a served run can check; it was not written by gpuflow")
         code_root = config.get("code_root")
@@ -207,8 +190,7 @@ def check_not_tracking_store(storage: str, tracking_uri: str | None) -> None:
 
 
 def is_library_file(path: Path) -> bool:
-    """Whether a file is installed Python code (the standard library, a site-packages folder),
-    even where it lies in an allowed folder (a project's .venv)."""
+    """Whether a file is installed Python code (stdlib, site-packages), even in an allowed folder (a .venv)."""
     if {"site-packages", "dist-packages"} & set(path.parts):
         return True
     places = {*site.getsitepackages(), site.getusersitepackages()}

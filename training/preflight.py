@@ -1,10 +1,5 @@
-"""The user-code check the flow runs before any worker starts: one small batch, on the CPU.
-
-It builds the user's model, reads two training samples through the dataset factory, runs one
-forward pass and the objective's loss, and refuses what would fail later in every rank:
-samples that cannot be batched, a batch the model cannot take (both shapes named), labels
-outside the model's output size, a loss that is not a scalar, metrics of the wrong form.
-"""
+"""The user-code check the flow runs before any worker starts: one batch of two samples through the model and
+the objective's loss, on the CPU, refusing what would fail later in every rank."""
 
 from __future__ import annotations
 
@@ -22,7 +17,7 @@ from .refs import describe_error
 
 @torch.no_grad()
 def check_user_code(cfg: TrainConfig, world_size: int = 1) -> dict:
-    """{"num_classes": the classes (the data's, else the model's output size), "output_shape"}."""
+    """{"num_classes": the data's classes, else the model's output size, "output_shape"}; UserError on a problem."""
     bundle = load_data(cfg, fingerprint=False)
     check_sizes(f"dataset {cfg.dataset!r} has {len(bundle.train)} training and {len(bundle.val)} validation samples",
                 len(bundle.train), len(bundle.val), world_size, "add samples to the sets your dataset returns")
@@ -65,8 +60,7 @@ def check_user_code(cfg: TrainConfig, world_size: int = 1) -> dict:
     except Exception as e:
         raise UserError(f"objective {cfg.objective!r}: metrics must return {{name: (sum over the batch, count)}}; "
                         f"got an error reading them: {describe_error(e)}") from None
-    return {"num_classes": num_classes,
-            "output_shape": list(out.shape[1:]) if isinstance(out, torch.Tensor) else None}
+    return {"num_classes": num_classes, "output_shape": list(out.shape[1:]) if isinstance(out, torch.Tensor) else None}
 
 
 def _check_classification(cfg: TrainConfig, bundle, out, target, what: str) -> int:
@@ -83,7 +77,7 @@ def _check_classification(cfg: TrainConfig, bundle, out, target, what: str) -> i
         raise DatasetError(f"dataset {cfg.dataset!r}: classification needs integer class labels as targets; got "
                            f"{shapes(target)}; return (input, label) samples, or set objective to your own loss")
     every = _all_labels(bundle.train)
-    labels = every if every is not None else target  # else the batch's: decoding every sample is a job for training
+    labels = every if every is not None else target  # else the batch's: decoding every sample is training's job
     low, high = int(labels.min()), int(labels.max())
     if low < 0 or high >= classes:
         raise DatasetError(f"dataset {cfg.dataset!r}: labels run {low}..{high}, outside the model's {classes} "
@@ -98,7 +92,7 @@ def _check_classification(cfg: TrainConfig, bundle, out, target, what: str) -> i
 
 
 def _all_labels(dataset) -> torch.Tensor | None:
-    """Every label, when the dataset holds them apart (torchvision's `targets`, a TensorDataset)."""
+    """Every label, when the dataset holds them apart (torchvision's `targets`, a TensorDataset); else None."""
     if getattr(dataset, "targets", None) is not None:
         return torch.as_tensor(dataset.targets)
     if isinstance(dataset, torch.utils.data.TensorDataset) and len(dataset.tensors) >= 2:

@@ -2,17 +2,9 @@
 
     python -m gpuflow.training.reaper [--grace S] -- torchrun ... train.py ...
 
-A user's ranks are code gpuflow does not control: torchrun starts them in sessions of their
-own, they never ask for a parent-death signal, they may ignore SIGTERM and start children of
-their own. This process is a Linux *child subreaper* (prctl PR_SET_CHILD_SUBREAPER), so every
-process below it that loses its parent (a rank whose torchrun died, a `Popen("sleep 1000")` of
-a rank that exited, a double fork) is re-parented to it instead of to init, and it can always
-find them. It runs the command and, when the command ends, when it is sent SIGTERM/SIGINT/
-SIGHUP, or when the flow that started it dies (the parent-death signal, SIGTERM, reaches it
-even after a `kill -9` of the flow), it stops every process left below it the way Kubernetes
-stops a pod: SIGTERM, a grace period, then SIGKILL. It exits last, with the command's exit
-code, so the card locks it holds (inherited descriptors) are free only when nothing of the
-run is left. Torch-free, stdlib and psutil only.
+A Linux child subreaper, since a user's ranks may escape their parent: when the command ends, or on a signal, or
+when the flow dies, it stops everything left below it (SIGTERM, a grace period, SIGKILL) and exits last, with the
+command's exit code, so the card locks it holds are free only when nothing of the run is left.
 """
 
 from __future__ import annotations
@@ -46,17 +38,15 @@ def supervised(cmd: list[str]) -> list[str]:
 
 def start_supervised(cmd: list[str], reap: bool = True, **popen) -> subprocess.Popen:
     """Start `cmd` under the reaper, which is sent SIGTERM if this process dies, however it dies.
-    The one way gpuflow starts a process that must not outlive it: ranks, every server (stopped with
-    `stop_supervised`). `reap=False` for a server that starts no process of its own (the temporary
-    Prefect API): the same signal reaches it directly, and a run keeps one process fewer."""
+
+    `reap=False` for a server that starts no process of its own: the signal then reaches it directly."""
     parent = os.getpid()
     return subprocess.Popen(supervised(cmd) if reap else cmd,
                             preexec_fn=lambda: die_with_parent(signal.SIGTERM, parent), **popen)
 
 
 def run_supervised(cmd: list[str], **popen) -> int:
-    """Run a service (`gpuflow server`, `gpuflow ui`) in the foreground: Ctrl-C, SIGTERM or the
-    death of this process stops it and everything it started."""
+    """Run a service in the foreground under the reaper: Ctrl-C, SIGTERM or this process's death stops it all."""
     proc = start_supervised(cmd, **popen)
     try:
         return proc.wait()

@@ -1,14 +1,5 @@
-"""References to a user's own code: `package.module:Name` or `path/to/file.py:Name`.
-
-    gpuflow run --model myproj.nets:Net --dataset myproj.data:datasets
-    gpuflow run --model ./nets.py:Net
-
-A module reference is imported from the project folder (`code_root`: where gpuflow was
-started, or the served deployment's folder), the way `python -m` would; a file reference is
-loaded from that file under a module name of its own, with its folder on the path so its
-sibling imports work. Errors name the reference, show the real cause and say what to fix.
-Torch-free: the flow validates references before anything heavy starts.
-"""
+"""References to a user's own code: `package.module:Name`, imported from `code_root` as `python -m` would, or
+`path/to/file.py:Name`, loaded under a module name of its own with its folder on the path. Torch-free."""
 
 from __future__ import annotations
 
@@ -122,12 +113,9 @@ def _no_attribute(ref: str, what: str, owner, part: str) -> CodeReferenceError:
 
 
 def resolve(ref: str, code_root: str | None, what: str = "reference"):
-    """Import the module of `ref` and return its attribute; CodeReferenceError otherwise.
+    """Import the module of `ref` and return its (dotted) attribute; CodeReferenceError otherwise.
 
-    The part after ':' is a dotted path through attributes (your own code, your own shell: a
-    local run may name anything it could import). A served run's references go through
-    `resolve_defined` first.
-    """
+    Trusts `ref`: a served run's references go through `resolve_defined` first."""
     target = _import(ref, code_root, what)
     for part in split(ref)[1].split("."):
         if not hasattr(target, part):
@@ -140,9 +128,7 @@ REFERENCE_FIELDS = ("model", "dataset", "objective")  # the parameters that may 
 
 
 def check_references(params, code_root: str | None = None) -> None:
-    """Import each module the parameters' references name and find the attribute, calling
-    nothing: a reference that does not resolve is refused in a second, before any server, data
-    or device work starts (`code_root`: default, the working folder)."""
+    """Resolve each reference the parameters name, calling nothing (`code_root`: default, the working folder)."""
     for name in REFERENCE_FIELDS:
         value = getattr(params, name, None)
         if is_reference(value):
@@ -150,20 +136,17 @@ def check_references(params, code_root: str | None = None) -> None:
 
 
 def _own_code(obj):
-    """The class or Python function behind a module or class attribute; None for anything else
-    (modules, builtins, instances)."""
+    """The class or Python function behind an attribute; None for anything else (modules, builtins, instances)."""
     if isinstance(obj, (staticmethod, classmethod)):
         obj = obj.__func__
     return obj if inspect.isclass(obj) or inspect.isfunction(obj) else None
 
 
 def resolve_defined(ref: str, code_root: str | None, defined_in, what: str = "reference"):
-    """Resolve `ref` for a served run, whose caller is not trusted: the object must be a class
-    or Python function *defined* in the allowed code (`defined_in(module name) -> bool`; for a
-    file reference, that file's own module), named by one name or as `Class.method`, never
-    reached through another module or object, never a builtin. Attributes are read without
-    running descriptors or module `__getattr__` hooks, and nothing is called.
-    """
+    """Resolve `ref` for a served run, whose caller is not trusted: a class or function *defined* in the allowed
+    code (`defined_in(module name) -> bool`; a file reference: its own module), as `Name` or `Class.method`.
+
+    Attributes are read statically (no descriptors, no module `__getattr__`) and nothing is called."""
     module = _import(ref, code_root, what)
     parts = split(ref)[1].split(".")
     form = "name a class or function of the allowed code, or a class's method as Class.method"

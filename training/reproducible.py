@@ -12,7 +12,7 @@ from .config import TrainConfig
 
 
 def seed_everything(seed: int) -> None:
-    """Python, numpy, torch and every CUDA device (manual_seed covers all devices)."""
+    """Seed Python, numpy, torch and every CUDA device."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)

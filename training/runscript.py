@@ -1,18 +1,6 @@
-"""`torchrun ... -m gpuflow.training.runscript train.py ARGS...`: a user's script, run as
-`python train.py ARGS...` would run it (its folder first on sys.path, `__name__ == "__main__"`,
-sys.argv as given), with three things gpuflow owes it:
-
-- each line it prints reaches the console whole (stdout and stderr flush once per line, so
-  torchrun's per-rank tailing never cuts a line and two ranks' lines never merge);
-- its collectives time out after the run's --dist-timeout-s (torch reads no variable for the
-  default process-group timeout, so the default is set here; a timeout the script passes to
-  init_process_group itself wins);
-- an exception it raises is left for the flow as a structured error (training/contract.py),
-  and a restart does not run it again when it failed before making any progress;
-- run in several processes, a script that never joins a process group trains a full copy in
-  each: rank 0 warns after GPUFLOW_JOIN_GRACE_S without one, and records at the end whether it
-  joined, for the flow to tag the run (`ProcessGroupWatch`).
-"""
+"""`torchrun ... -m gpuflow.training.runscript train.py ARGS...`: a user's script, run as `python train.py ARGS...`
+would run it, with whole output lines, the run's --dist-timeout-s as default collective timeout, its error left
+for the flow (not run again after a failure without progress), and a warning when its ranks join no group."""
 
 from __future__ import annotations
 
@@ -47,12 +35,10 @@ def _timeout_hint(exc: BaseException, seconds: float | None) -> str:
 
 
 class ProcessGroupWatch:
-    """On rank 0 of several: whether the script ever joins a process group. torch announces no
-    join, so a daemon thread polls `torch.distributed.is_initialized()` until it is true: a group
-    that trains even a few steps is seen; one that lives only milliseconds (a script that merely
-    checks its setup with one all_reduce) can be missed."""
+    """On rank 0 of several: whether the script ever joins a process group, polled on a thread (torch announces
+    no join), so a group that lives only milliseconds can be missed."""
 
-    POLL_S = 0.01  # cheap (a flag read); a group living less than a few polls may be missed
+    POLL_S = 0.01  # cheap: a flag read
 
     def __init__(self, script: str, world_size: int, grace_s: float):
         import torch.distributed as dist
@@ -132,10 +118,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def flush_mlflow() -> None:
-    """The script's own queued MLflow calls (gpuflow turns on MLflow's asynchronous logging) written
-    before the interpreter shuts down: a script that never calls mlflow.end_run() would otherwise
-    lose its last metrics ("cannot schedule new futures after interpreter shutdown"). Only an
-    MLflow the script imported itself: the ranks never import it for gpuflow."""
+    """Write the script's queued asynchronous MLflow calls before shutdown, which would drop them ("cannot
+    schedule new futures after interpreter shutdown"); only an MLflow the script imported itself."""
     mlflow = sys.modules.get("mlflow")
     if mlflow is not None and hasattr(mlflow, "flush_async_logging"):
         try:

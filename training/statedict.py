@@ -1,10 +1,5 @@
-"""Find the model's state dict in a file a user's script saved, and make it load anywhere.
-
-Scripts save `model.state_dict()` of a DDP-wrapped model (`module.` keys), of a compiled one
-(`_orig_mod.`), both in either order, and often nest it in a snapshot dict (the DDP
-tutorial's `{"MODEL_STATE": ..., "EPOCHS_RUN": ...}`). `extract_state_dict` finds it and
-strips every prefix, so it loads with `load_state_dict(strict=True)` into the bare class.
-"""
+"""Find the model's state dict in a file a user's script saved (perhaps nested in a snapshot dict, with
+`module.`/`_orig_mod.` prefixes) and strip the prefixes, so it loads strictly into the bare class."""
 
 from __future__ import annotations
 
@@ -46,8 +41,8 @@ def _sharded(state: dict) -> list[str]:
 
 
 def extract_state_dict(path: str | Path) -> tuple[dict, str]:
-    """(the de-prefixed state dict in `path`, where it was found). Loads with weights_only=True;
-    raises CheckpointError when the file holds no state dict or a sharded one."""
+    """(the de-prefixed state dict in `path`, where it was found); CheckpointError when the file holds no
+    state dict or a sharded one."""
     payload = load_file(path)
     found = find_state_dict(payload)
     if found is None:

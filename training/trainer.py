@@ -45,8 +45,7 @@ class Trainer:
         self.objective = load_objective(cfg.objective, cfg.code_root)
         world = ctx.world_size
         self.train_loader, self.sampler = data_mod.train_loader(bundle.train, cfg, ctx.rank, world, self.pin)
-        # DistributedSampler pads the ranks to equal length by repeating samples, at the end
-        # of a rank's share: only the first `real_train` samples of this rank count in metrics.
+        # DistributedSampler pads each rank's share at its end: only its first `real_train` samples count
         self.real_train = len(range(ctx.rank, len(bundle.train), world))
         self.val_loader = data_mod.val_loader(bundle.val, cfg, ctx.rank, world, self.pin)
         self.store = CheckpointStore(cfg.checkpoint_dir)
@@ -105,8 +104,7 @@ class Trainer:
         path = self.store.resume_path(self.cfg.resume, restarted)
         if path is None:
             return
-        # CPU whatever the device: the RNG states must be CPU tensors; load_state_dict copies
-        # the weights and optimizer state onto the model's device.
+        # CPU whatever the device: the RNG states must be CPU tensors; load_state_dict copies the rest over
         payload = load_file(path, map_location="cpu")
         try:
             load_model_state(self.model, payload["model"], source=f"checkpoint {str(path)!r}")
@@ -121,10 +119,8 @@ class Trainer:
         self._say(f"resumed from {path} after epoch {self.epochs_run}")
 
     def _end_epoch(self, metrics: dict) -> None:
-        """The epoch's checkpoint, then its metrics and console lines. Rank 0 (global, on every node
-        count) copies the state now and the writer's thread writes it while the next epoch trains;
-        the lines follow the file, so a logged epoch always has its checkpoint (the relay uploads it;
-        a replaced node resumes from it)."""
+        """The epoch's checkpoint (rank 0, written while the next epoch trains), then its metrics and console
+        lines, so a logged epoch always has its checkpoint."""
         epoch = self.epochs_run
         if not self.ctx.is_main:
             return self._log_epoch(epoch, metrics)
@@ -138,9 +134,8 @@ class Trainer:
                   f"{scores} {metrics['samples_per_s']:.0f} samples/s")
 
     def _checkpoint_payload(self) -> dict:
-        """A copy of everything a resume needs, as CPU tensors: training goes on while it is written."""
+        """A copy of everything a resume needs, as CPU tensors: it loads on any host, and training goes on."""
         return {
-            # CPU tensors: the file loads on any host, GPU or not, with plain torch.load
             "model": model_state(self.model),
             "optimizer": to_cpu(self.optimizer.state_dict()),
             "scaler": self.scaler.state_dict(),
@@ -158,8 +153,7 @@ class Trainer:
         return apply(batch, lambda t: t.to(self.device, non_blocking=non_blocking))
 
     def _run_batch(self, inputs, target, real: int) -> torch.Tensor:
-        """One optimizer step; the loss summed over the batch's first `real` samples (the
-        sampler's padding left out), for the epoch's exact mean."""
+        """One optimizer step; the loss summed over the batch's first `real` samples (no sampler padding)."""
         self.optimizer.zero_grad(set_to_none=True)
         with self._autocast():
             out = self.objective.forward(self.model, inputs, target)
@@ -197,7 +191,7 @@ class Trainer:
         count = 0
         start = time.perf_counter()
         for step, batch in enumerate(self._batches(self.train_loader, f"epoch {epoch + 1}"), 1):
-            if self.fault:  # test-only: a fault lands after the last epoch's checkpoint is whole, as tests expect
+            if self.fault:  # test-only: a fault lands after the last epoch's checkpoint is whole
                 self.writer.wait()
                 self.fault(self.ctx.rank, epoch + 1, step)
             inputs, target = split_batch(self._to_device(batch, self.pin))
@@ -219,9 +213,7 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict:
-        """Validation loss and the objective's metrics; each sample counted once whatever the
-        world size: per-batch sums and counts are all-reduced and divided, and whole-set
-        metrics get every rank's outputs gathered to rank 0."""
+        """Validation loss and the objective's metrics, each sample counted once whatever the world size."""
         model = unwrap(self.model) if self.ctx.distributed else self.model
         model.eval()
         totals = Totals(self.objective)
@@ -239,8 +231,7 @@ class Trainer:
         return result
 
     def _whole_set_metrics(self, outputs: list, targets: list) -> dict:
-        """The objective's epoch_metrics on every validation sample once, in dataset order:
-        rank r holds samples r, r + world, ... (the validation shard), gathered to rank 0."""
+        """epoch_metrics on every validation sample once, in dataset order (rank r held r, r + world, ...)."""
         from .distributed import broadcast_from_main, gather_to_main
 
         gathered = gather_to_main((concat(outputs), concat(targets)), self.ctx)
@@ -291,8 +282,7 @@ class Trainer:
         }
 
     def save_weights(self, path: Path) -> Path:
-        """The trained model's state dict alone (CPU tensors, no wrapper prefix): what the
-        registered model loads, strict, into the model's own class."""
+        """Save the trained model's state dict alone (CPU, no wrapper prefix): what the registered model loads."""
         return save_file(path, model_state(self.model))
 
     def _say(self, msg: str) -> None:

@@ -1,6 +1,5 @@
-"""Store URIs, the one place that reads them: the file SQLite opens for a SQLAlchemy SQLite URL,
-whether two URIs name one store, a relative sqlite:/// made absolute, a URL shown without its
-password. Torch-free and Prefect-free: the flow, the policy and the sweep's study all use it."""
+"""Store URIs, the one place that reads them: the file SQLite opens, whether two URIs name one store, a relative
+sqlite:/// made absolute, a URL without its password. Torch-free and Prefect-free."""
 
 from __future__ import annotations
 
@@ -28,9 +27,8 @@ def shown(uri: str) -> str:
 
 
 def sqlite_file(url: str) -> Path | None:
-    """The file SQLite opens for a SQLAlchemy SQLite URL, as SQLAlchemy hands it over: the
-    path, or a `file:` URI's path when the URL asks for URI parsing (`?uri=true`); None for
-    any other database, and for in-memory SQLite."""
+    """The file SQLite opens for a SQLAlchemy SQLite URL (a `file:` URI's path with `?uri=true`); None for any
+    other database, and for in-memory SQLite."""
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import ArgumentError
 

@@ -1,5 +1,5 @@
-"""The user's own datasets: a factory `datasets(root)` named by reference, and the optional
-`prepare_data(root)` hook in its module (see docs/your-code.md)."""
+"""The user's own datasets: a factory `datasets(root)` named by reference, and the optional `prepare_data(root)`
+hook in its module (see docs/your-code.md)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from .objective import first_tensor, split_batch
 
 @dataclass
 class DataBundle:
-    """What loading a dataset gives, built-in or the user's (training/data.py load_data)."""
+    """What loading a dataset gives, built-in or the user's."""
 
     train: Dataset
     val: Dataset
@@ -42,8 +42,7 @@ def _call_with_root(fn, root: str, what: str):
 
 
 def prepare_user_data(cfg: TrainConfig) -> bool:
-    """Run the dataset module's `prepare_data(root)` hook, if it has one: once, in the flow's
-    data step, before any rank starts (downloads, extraction, an index). Returns whether it ran."""
+    """Run the dataset module's `prepare_data(root)` hook once, before any rank starts; whether it had one."""
     factory = refs.resolve(cfg.dataset, cfg.code_root, "dataset")
     hook = getattr(sys.modules.get(getattr(factory, "__module__", "") or ""), "prepare_data", None)
     if not callable(hook):
@@ -57,11 +56,9 @@ def _is_dataset(d) -> bool:
 
 
 def user_datasets(cfg: TrainConfig) -> DataBundle:
-    """Call the user's dataset factory: (train, val), or {"train", "val"[, "num_classes"]}.
+    """Call the user's dataset factory, which returns (train, val) or {"train", "val"[, "num_classes"]}.
 
-    It runs in every rank, so it must only open what `prepare_data` made ready (never
-    download). num_classes: the factory's, else `len(train.classes)` (torchvision's
-    convention), else the model's output size that the flow's preflight found.
+    num_classes: the factory's, else `len(train.classes)`, else the model's output size the preflight found.
     """
     factory = refs.resolve(cfg.dataset, cfg.code_root, "dataset")
     what = f"dataset {cfg.dataset!r}"
