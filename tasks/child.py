@@ -20,6 +20,10 @@ STOP_POLL_S = 0.05  # how soon a quiet child is stopped once `stop` is set
 TRACEBACK = "Traceback (most recent call last):"
 CHAINED = ("The above exception was", "During handling of the above exception")
 RANK_PREFIX = re.compile(r"(\[rank\d+\]:\s?)?(.*)")  # torchrun's tag: each rank's traceback is followed apart
+# torchrun's own account of a rank's failure: its "failed (exitcode ...)" log line and its ChildFailedError; the
+# flow's last line says the same, so they stay in the log file only
+TORCHRUN_FAILED = re.compile(r"[EWI]\d{4} .*\] failed \(exitcode: ")
+CHILD_FAILED = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError"
 
 
 class Tracebacks:
@@ -43,14 +47,14 @@ class Tracebacks:
             return None
         if state == "frames":  # the exception itself; a text ending in ':' goes on below (torchrun's summary)
             self.state[key] = "message" if body.rstrip().endswith(":") else "after"
-            return f"{line.rstrip()} (traceback in {self.where})"
+            return None if body.startswith(CHILD_FAILED) else f"{line.rstrip()} (traceback in {self.where})"
         if state == "message" and body:
             self.state[key] = state
             return None
         if state in ("message", "after") and (not body or body.startswith(CHAINED)):  # a chained one may follow
             self.state[key] = "after"
             return None
-        return line
+        return None if TORCHRUN_FAILED.match(body) else line
 
 
 class Stopped(Exception):
