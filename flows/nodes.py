@@ -51,22 +51,29 @@ def place(launcher) -> dict:
         if params.tracking_uri.startswith("sqlite:"):
             log.warning("every node logs into %s: each machine must reach that file (a shared filesystem); "
                         "the team stack's tracking server needs none (gpuflow stack)", params.tracking_uri)
+        want = params.nodes
         while True:
-            machines = ready_queues(params.node_pool, params.nodes, [m for m, _ in lost],
-                                    params.rdzv_timeout_s if lost else 0, lost)
+            machines = ready_queues(params.node_pool, want, [m for m, _ in lost], params.rdzv_timeout_s if lost else 0,
+                                    lost, at_least=params.min_nodes or want)
             round_id = f"{job}-r{len(lost)}" if lost else str(job)
             run.client.set_tag(run.run_id, "machines", ",".join(machines))
-            if lost:  # a spare came: the replacement happens
+            if lost:  # a spare came, or the run goes on with fewer machines
+                fewer = (f" ({len(machines)} of {params.nodes} machines: no spare came within "
+                         f"{params.rdzv_timeout_s} s; the batch split over fewer processes)" if len(machines) < want else "")
                 run.client.set_tag(run.run_id, f"node_replacement.{len(lost)}",
-                                   f"lost {lost[-1][0]} ({lost[-1][1][:300]}); now on {', '.join(machines)}; "
+                                   f"lost {lost[-1][0]} ({lost[-1][1][:300]}); now on {', '.join(machines)}{fewer}; "
                                    f"resumed after epoch {epoch}")
-                run.log_metrics({"node_replacements": len(lost)})
-            log.info("placing %d nodes of run %s on %s (%s)", params.nodes, name, ", ".join(machines),
+                run.log_metrics({"node_replacements": len(lost), "nodes": len(machines)})
+                if fewer:
+                    log.warning("going on without %s on %s%s", lost[-1][0], ", ".join(machines), fewer)
+                want = len(machines)
+            log.info("placing %d nodes of run %s on %s (%s)", want, name, ", ".join(machines),
                      f"{params.max_node_failures - len(lost)} more machine(s) may be replaced"
                      if params.max_node_failures else "a node lost fails the run")
             try:
+                shrunk = len(machines) if len(machines) < params.nodes else None
                 watch({m: start_node(params, NodeJob(id=round_id, index=i, name=m, run_id=run.run_id, round=len(lost),
-                                                     resume=resume, keep_all=params.max_node_failures > 0),
+                                                     resume=resume, keep_all=params.max_node_failures > 0, nodes=shrunk),
                                      launcher.node_flow) for i, m in enumerate(machines)}, params.rdzv_timeout_s)
                 break
             except NodeFailed as e:
@@ -104,9 +111,10 @@ def last_checkpoint(run) -> tuple[str | None, int | None]:
     return path, epoch
 
 
-def ready_queues(pool: str, count: int, exclude: list[str] = (), wait_s: float = 0, lost=()) -> list[str]:
+def ready_queues(pool: str, count: int, exclude: list[str] = (), wait_s: float = 0, lost=(),
+                 at_least: int | None = None) -> list[str]:
     """`count` machines of the pool whose queue a worker polled in the last minute, by name, none of
-    `exclude`; waiting up to `wait_s` for them (a spare for a lost machine)."""
+    `exclude`; waiting up to `wait_s` for them (a spare for a lost machine), then taking `at_least` of them."""
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
 
@@ -125,6 +133,8 @@ def ready_queues(pool: str, count: int, exclude: list[str] = (), wait_s: float =
             if time.monotonic() >= deadline:
                 break
             time.sleep(POLL_S)
+    if lost and ready and len(ready) >= (at_least or count):
+        return ready
     if lost:
         raise NodeFailed(f"node {lost[-1][0]} failed ({lost[-1][1]}) and no spare machine of node_pool {pool!r} came "
                          f"within {wait_s:g} s (online: {', '.join(ready) or 'none'}; lost: "
@@ -139,8 +149,10 @@ def start_node(params, job: NodeJob, flow_name: str):
     from prefect.deployments import run_deployment
 
     # the parameters as given, so that paths resolve on the node; the store is the parent's, which every node logs into
+    # (nodes as numbers: the deployment's schema takes no "MIN:MAX")
     values = dict(flow_run.get_parameters()) | {"tracking_uri": absolute_uri(params.tracking_uri),
-                                                 "job": job.model_dump()}
+                                                 "job": job.model_dump(), "nodes": params.nodes,
+                                                 "min_nodes": params.min_nodes}
     return run_deployment(f"{flow_name}/{params.node_pool}", parameters=values, timeout=0,
                           work_queue_name=job.name, idempotency_key=f"{job.id}-{job.index}",
                           flow_run_name=f"{job.name}-{job.id[:8]}")
@@ -157,6 +169,8 @@ def train_node(params: NodeParams) -> dict:
     may be replaced, every epoch's checkpoint is kept (and uploaded to the run); a replacement round
     resumes from the run's checkpoint the parent names."""
     job, update = params.job, {}
+    if job.nodes:  # the run goes on with fewer machines: the rendezvous and the batch split are this round's
+        update["nodes"] = job.nodes
     if job.keep_all:
         update["keep_checkpoints"] = params.epochs
     if job.resume:

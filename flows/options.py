@@ -11,6 +11,7 @@ import typing
 from pydantic import BaseModel
 
 REST = "rest"  # json_schema_extra={"cli": REST}: the field takes every argument after `--`
+RANGE = "range"  # json_schema_extra={"cli": RANGE}: an int, or MIN:MAX that the model splits
 
 
 def _json_arg(flag: str, kind: type):
@@ -43,6 +44,10 @@ def add_field(p: argparse.ArgumentParser, name: str, field) -> None:
     args = [a for a in typing.get_args(kind) if a is not type(None)]
     if extra.get("cli") == REST:
         return  # filled from the arguments after `--` (see parse)
+    if extra.get("cli") == RANGE:  # N, or MIN:MAX that the model splits
+        p.add_argument(flag, dest=name, type=lambda text: int(text) if text.strip().isdigit() else text,
+                       metavar="N|MIN:MAX", help=help_)
+        return
     if kind is bool:
         p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, help=help_)
     elif typing.get_origin(kind) is typing.Literal:

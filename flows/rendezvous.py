@@ -33,6 +33,8 @@ class NodeJob(BaseModel):
     resume: str | None = Field(None, pattern=r"^checkpoints/epoch-[0-9]{4,8}\.pt$",
                                description="the run's checkpoint artifact every node resumes from (a replacement)")
     keep_all: bool = Field(False, description="keep and upload every epoch's checkpoint (replacements allowed)")
+    nodes: int | None = Field(None, ge=1, le=1024, description="this round's machines when fewer than nodes (a "
+                              "machine lost and no spare came, with min_nodes)")
 
     @property
     def folder_name(self) -> str:

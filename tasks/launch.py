@@ -46,7 +46,11 @@ class Placement(BaseModel):
     """The machines of a job: one by default; several placed by the flow on the node pool's machines."""
 
     nodes: int = Field(1, ge=1, le=1024, description="machines to train on, placed by the flow through the "
-                       "Prefect work pool node_pool (each machine runs `gpuflow node`); --gpus applies on each")
+                       "Prefect work pool node_pool (each machine runs `gpuflow node`); --gpus applies on each; "
+                       "MIN:MAX (e.g. 1:2) sets min_nodes too", json_schema_extra={"cli": "range"})
+    min_nodes: int | None = Field(None, ge=1, le=1024, description="placed runs with max_node_failures: the fewest "
+                                  "machines the run goes on with when a lost one has no spare within rdzv_timeout_s "
+                                  "(the batch split over fewer processes, the change logged); default: nodes")
     node_pool: str = Field("gpuflow-nodes", pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,99}$",
                            description="the Prefect work pool whose queues are the machines (nodes > 1)")
     rdzv_timeout_s: int = Field(300, ge=10, le=86_400, description="fail when not every node arrives (or, "
@@ -55,11 +59,28 @@ class Placement(BaseModel):
                                    "machines that may be lost and replaced by a spare of the pool, the run resuming "
                                    "from its last checkpoint in the same MLflow run; 0: a node lost fails the run")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _node_range(cls, values):
+        """nodes="MIN:MAX" (the command line's --nodes 1:2) is min_nodes=MIN, nodes=MAX."""
+        if isinstance(values, dict) and isinstance(values.get("nodes"), str) and ":" in values["nodes"]:
+            low, _, high = values["nodes"].partition(":")
+            if not (low.strip().isdigit() and high.strip().isdigit()):
+                raise ValueError(f"nodes={values['nodes']!r} is not N or MIN:MAX; e.g. 2, or 1:2 (go on with one "
+                                 "machine when a lost one has no spare)")
+            values = {**values, "min_nodes": int(low), "nodes": int(high)}
+        return values
+
     @model_validator(mode="after")
     def _replaceable(self) -> "Placement":
         if self.max_node_failures and self.nodes < 2:
             raise ValueError(f"max_node_failures={self.max_node_failures} replaces machines of a run placed on "
                              "several (nodes > 1); drop it, or set nodes")
+        if self.min_nodes is not None and self.min_nodes > self.nodes:
+            raise ValueError(f"min_nodes={self.min_nodes} is above nodes={self.nodes}; give MIN:MAX with MIN <= MAX")
+        if self.min_nodes is not None and self.min_nodes < self.nodes and not self.max_node_failures:
+            raise ValueError(f"nodes {self.min_nodes}:{self.nodes} goes on with fewer machines after losing one; "
+                             "set max_node_failures (how many machines may be lost), e.g. --max-node-failures 1")
         return self
 
 

@@ -138,12 +138,13 @@ def test_a_machine_whose_worker_is_gone_fails_the_run_by_its_start_deadline(clus
     assert not left, left
 
 
-def replaceable_run_training(cluster, tmp_path: Path, name: str, rdzv_timeout_s: int):
+def replaceable_run_training(cluster, tmp_path: Path, name: str, rdzv_timeout_s: int, nodes: str = "2",
+                             epochs: int = 50):
     """`gpuflow run --nodes 2 --max-node-failures 1` on the two machines, once its first epoch is
     logged: (the process, its MLflow client)."""
-    proc = gpuflow(cluster, tmp_path, "--gpus", "cpu", "--cpu-processes", "1", "--nodes", "2",
+    proc = gpuflow(cluster, tmp_path, "--gpus", "cpu", "--cpu-processes", "1", "--nodes", nodes,
                    "--max-node-failures", "1", "--rdzv-timeout-s", str(rdzv_timeout_s), "--node-pool", cluster.pool,
-                   "--dataset", "synthetic", "--synthetic-size", "20000", "--epochs", "50", "--run-name", name)
+                   "--dataset", "synthetic", "--synthetic-size", "20000", "--epochs", str(epochs), "--run-name", name)
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     deadline = time.monotonic() + 300
     while not _training(client, name):
@@ -169,6 +170,23 @@ def test_with_no_spare_machine_a_lost_node_fails_the_run_within_the_timeout_nami
     while (left := _ranks([p for n in cluster.nodes for p in n.pids()])) and time.monotonic() < deadline:
         time.sleep(1)
     assert not left, left
+
+
+def test_with_nodes_1_2_and_no_spare_the_run_goes_on_on_one_machine_from_its_last_checkpoint(cluster, tmp_path):
+    """--nodes 1:2: one machine's ranks die, no third machine comes within --rdzv-timeout-s, and the
+    run goes on on the other machine alone (the batch split over one process), in the same MLflow run."""
+    proc, client = replaceable_run_training(cluster, tmp_path, "shrinks", rdzv_timeout_s=15, nodes="1:2", epochs=6)
+    kill_ranks(cluster.node("node-b"))
+    code, out, err = finished(proc, timeout=300)
+    assert code == 0, err[-5000:]
+    run = client.get_run(out["run_id"])
+    assert run.info.status == "FINISHED" and out["node_replacements"] == 1 and out["world_size"] == 1, out
+    assert run.data.metrics["nodes"] == 1 and run.data.params["min_nodes"] == "1"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")] == [1, 2, 3, 4, 5, 6]
+    told = run.data.tags["node_replacement.1"]
+    assert told.startswith("lost node-b") and "now on node-a (1 of 2 machines: no spare came within 15 s" in told, told
+    assert "going on without node-b on node-a" in err, err[-3000:]
+    assert out["model_version"]
 
 
 def test_ctrl_c_while_a_lost_machine_waits_for_its_spare_stops_the_run_and_leaves_nothing(cluster, tmp_path):

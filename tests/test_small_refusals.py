@@ -22,6 +22,26 @@ from gpuflow.tasks.failure import TrainingFailed
 from gpuflow.training.checkpoint import CheckpointError, load_file
 from gpuflow.training.errors import UserError
 
+# --- a placed run's machines ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("nodes, extra, said", [
+    ("1:2", [], "nodes 1:2 goes on with fewer machines after losing one; set max_node_failures"),
+    ("3:2", ["--max-node-failures", "1"], "min_nodes=3 is above nodes=2; give MIN:MAX with MIN <= MAX"),
+    ("one:2", ["--max-node-failures", "1"], "nodes='one:2' is not N or MIN:MAX; e.g. 2, or 1:2")])
+def test_a_bad_node_range_is_refused_in_one_line_naming_it(capsys, nodes, extra, said):
+    code = main(["run", "--nodes", nodes, *extra, "--gpus", "cpu"])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 2 and last.startswith("gpuflow run: ") and said in last, last
+
+
+def test_a_node_range_is_min_nodes_and_nodes():
+    from gpuflow.flows.params import PipelineParams
+
+    p = PipelineParams(nodes="1:3", max_node_failures=2)
+    assert (p.min_nodes, p.nodes) == (1, 3) and PipelineParams(nodes=2).min_nodes is None
+
+
 # --- a sweep's cards ----------------------------------------------------------------------------
 
 
