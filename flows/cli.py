@@ -71,8 +71,8 @@ def parser(script: bool = False) -> argparse.ArgumentParser:
     add_model(sub.add_parser("sweep", help="search a run's parameters with Optuna: parallel trials on separate "
                              "cards, pruned early, one parent MLflow run, the best model proposed as challenger "
                              "(the sweep flow)", **kw), SweepParams)
-    add_model(sub.add_parser("evaluate", help="loss and metrics (accuracy, or your objective's) of a registered version on one device "
-                             "(the evaluate-model flow)", **kw), EvaluateParams)
+    add_model(sub.add_parser("evaluate", help="loss and metrics (accuracy, or your objective's) of a registered "
+                             "version on one device (the evaluate-model flow)", **kw), EvaluateParams)
     add_model(sub.add_parser("infer", help="predictions of a registered version for a file of inputs, "
                              "on one device", **kw), InferParams)
     probe = sub.add_parser("probe", help="print GPUs, driver/CUDA/NCCL versions and backends")

@@ -58,8 +58,9 @@ def place(launcher) -> dict:
             round_id = f"{job}-r{len(lost)}" if lost else str(job)
             run.client.set_tag(run.run_id, "machines", ",".join(machines))
             if lost:  # a spare came, or the run goes on with fewer machines
-                fewer = (f" ({len(machines)} of {params.nodes} machines: no spare came within "
-                         f"{params.rdzv_timeout_s} s; the batch split over fewer processes)" if len(machines) < want else "")
+                fewer = "" if len(machines) >= want else (
+                    f" ({len(machines)} of {params.nodes} machines: no spare came within {params.rdzv_timeout_s} s; "
+                    "the batch split over fewer processes)")
                 run.client.set_tag(run.run_id, f"node_replacement.{len(lost)}",
                                    f"lost {lost[-1][0]} ({lost[-1][1][:300]}); now on {', '.join(machines)}{fewer}; "
                                    f"resumed after epoch {epoch}")
@@ -72,9 +73,9 @@ def place(launcher) -> dict:
                      if params.max_node_failures else "a node lost fails the run")
             try:
                 shrunk = len(machines) if len(machines) < params.nodes else None
-                watch({m: start_node(params, NodeJob(id=round_id, index=i, name=m, run_id=run.run_id, round=len(lost),
-                                                     resume=resume, keep_all=params.max_node_failures > 0, nodes=shrunk),
-                                     launcher.node_flow) for i, m in enumerate(machines)}, params.rdzv_timeout_s)
+                jobs = [NodeJob(id=round_id, index=i, name=m, run_id=run.run_id, round=len(lost), resume=resume,
+                                keep_all=params.max_node_failures > 0, nodes=shrunk) for i, m in enumerate(machines)]
+                watch({j.name: start_node(params, j, launcher.node_flow) for j in jobs}, params.rdzv_timeout_s)
                 break
             except NodeFailed as e:
                 if len(lost) >= params.max_node_failures or e.node is None:

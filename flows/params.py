@@ -146,7 +146,8 @@ class ScriptParams(Tracking, Placement, Launch, Devices):
 
     model_config = ConfigDict(extra="forbid")
 
-    script: ScriptFile = Field(description="your training script (.py), run by torchrun from the folder gpuflow runs in")
+    script: ScriptFile = Field(description="your training script (.py), run by torchrun from the folder gpuflow "
+                               "runs in")
     script_args: ScriptArgs = []
     collect: Collect = []
     strategy: Literal["auto", "single", "ddp"] = Field(  # type: ignore[assignment]
@@ -155,7 +156,8 @@ class ScriptParams(Tracking, Placement, Launch, Devices):
     @model_validator(mode="after")
     def _placed(self) -> "ScriptParams":
         if self.nodes > 1 and self.strategy == "single":
-            raise ValueError(f"nodes={self.nodes} runs the script in several processes: use strategy 'ddp' or 'auto'")
+            raise ValueError(f"nodes={self.nodes} runs the script in several processes: use strategy 'ddp' or "
+                             "'auto'")
         if self.max_node_failures:
             raise ValueError("max_node_failures replaces machines of gpuflow's own worker, whose checkpoints the "
                              "flow keeps; a script keeps its own: drop it for --script")

@@ -78,5 +78,5 @@ def mlflow_server_environment() -> dict[str, str]:
 
 
 def ui_command(s: Settings, tracking_uri: str) -> list[str]:
-    return [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", tracking_uri, "--registry-store-uri", tracking_uri,
-            "--host", s.mlflow_host, "--port", str(s.mlflow_port)]
+    return [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", tracking_uri,
+            "--registry-store-uri", tracking_uri, "--host", s.mlflow_host, "--port", str(s.mlflow_port)]

@@ -122,6 +122,10 @@ def test_a_machine_whose_worker_is_gone_fails_the_run_by_its_start_deadline(clus
         client.create_work_queue(name="node-c", work_pool_name=cluster.pool, concurrency_limit=1)
         # a worker polled node-c once, then its machine went away: the queue still reads READY
         client.get_scheduled_flow_runs_for_work_pool(cluster.pool, work_queue_names=["node-c"])
+        deadline = time.monotonic() + 60  # the server marks it so a moment later (later still under load: CI10)
+        while client.read_work_queue_by_name("node-c", work_pool_name=cluster.pool).status.value != "READY":
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
     start = time.monotonic()
     code, _, err = finished(gpuflow(cluster, tmp_path, *JOB, "--nodes", "3", "--cpu-processes", "1",
                                     "--node-pool", cluster.pool, "--rdzv-timeout-s", "20"))

@@ -110,8 +110,8 @@ def test_a_served_run_names_only_the_packages_and_folders_the_operator_allowed(s
     (run,) = client.search_runs([client.get_experiment_by_name("allowed").experiment_id])
     assert run.info.status == "FINISHED" and run.data.params["model"] == "myproj.nets:Net"
     # a served evaluation's scores, where its caller sees them
-    scored = _prefect(["deployment", "run", "evaluate-model/evaluate", "-p", "registered_model=blobs", "-p", "version=1",
-                       "-p", "gpus=cpu", "--watch"], dict(env, COLUMNS="1000"), timeout=300)
+    scored = _prefect(["deployment", "run", "evaluate-model/evaluate", "-p", "registered_model=blobs",
+                       "-p", "version=1", "-p", "gpus=cpu", "--watch"], dict(env, COLUMNS="1000"), timeout=300)
     assert scored.returncode == 0 and "blobs v1 on " in scored.stdout and " accuracy " in scored.stdout, scored.stdout
     marker = served["base"] / "pwned"
     # An allowed module imports torch, which imports os: a path through attributes reached os.system,
@@ -165,8 +165,9 @@ def test_a_served_evaluation_never_runs_the_code_a_registered_checkpoint_names(s
 
     env, api, base = served["env"], served["api"], served["base"]
     marker = tmp_path / "pwned"
-    evil = {"model": {}, "num_classes": 10, "config": {"model": "os:system", "model_args": {"command": f"id > {marker}"},
-                                                       "dataset": "digits", "code_root": str(base)}}
+    evil = {"model": {}, "num_classes": 10,
+            "config": {"model": "os:system", "model_args": {"command": f"id > {marker}"}, "dataset": "digits",
+                       "code_root": str(base)}}
     torch.save(evil, tmp_path / "epoch-0001.pt")
     client = _client(served)
     exp = client.create_experiment("planted", artifact_location=str(base / "planted-artifacts"))

@@ -72,27 +72,46 @@ def lost_api_message(exc: BaseException) -> str:
 
 class MetricsRelay(threading.Thread):
     """Logs the complete lines rank 0 appends to its metrics file to the run, every `interval` seconds and once
-    more when stopped. `on_metrics(step, metrics)` (a sweep's pruner) sees each line before it is logged."""
+    more when stopped. `on_metrics(step, metrics)` (a sweep's pruner) sees each line as soon as it is read, every
+    `ON_METRICS_S`; the lines are still logged in batches, every `interval`."""
 
-    def __init__(self, client: MlflowClient, run_id: str, path: Path, interval: float | None = None,
+    ON_METRICS_S = 0.05  # a pruned trial stops within an epoch however short its epochs
+
+    def __init__(self, client: MlflowClient, run_id: str, path: Path, interval: float = 0.5,
                  on_metrics: Callable[[int, dict], None] | None = None, checkpoints: Path | None = None):
         super().__init__(name="gpuflow-metrics-relay", daemon=True)
-        interval = interval if interval is not None else (0.05 if on_metrics else 0.5)
         self.client, self.run_id, self.path, self.interval = client, run_id, path, interval
         self.offset = path.stat().st_size if path.exists() else 0  # this run's lines only
         self.logged = 0
         self.on_metrics = on_metrics
         self.checkpoints, self.uploaded = checkpoints, set()
+        self.pending: list[tuple] = []
         self._halt = threading.Event()
 
     def run(self) -> None:
+        last = time.monotonic()
         while True:
-            stopping = self._halt.wait(self.interval)
-            self._pump()
+            stopping = self._halt.wait(self.ON_METRICS_S if self.on_metrics else self.interval)
+            self._read()
+            if stopping or time.monotonic() - last >= self.interval:
+                self._log()
+                last = time.monotonic()
             if stopping:
                 return
 
-    def _pump(self) -> None:
+    def _log(self) -> None:
+        lines, self.pending = self.pending, []
+        if not lines:
+            return
+        try:
+            self.client.log_batch(self.run_id, metrics=[Metric(k, v, ts, step) for step, ts, metrics in lines
+                                                        for k, v in metrics.items()], synchronous=True)
+            self.logged += len(lines)
+        except Exception as e:  # noqa: BLE001 - the run goes on; the loss is said
+            print(f"gpuflow: could not log {len(lines)} metrics line(s) (steps {lines[0][0]}-{lines[-1][0]}): "
+                  f"{type(e).__name__}: {e}", flush=True)
+
+    def _read(self) -> None:
         try:
             with open(self.path, "rb") as f:
                 f.seek(self.offset)
@@ -108,20 +127,12 @@ class MetricsRelay(threading.Thread):
                 lines.append(parse_line(line))
             except Exception as e:  # noqa: BLE001 - one bad line must not lose the others
                 print(f"gpuflow: could not read metrics line {line[:200]!r}: {type(e).__name__}: {e}", flush=True)
-        if not lines:
-            return
         for step, _, metrics in lines if self.on_metrics is not None else []:
             try:
                 self.on_metrics(step, metrics)
             except Exception as e:  # noqa: BLE001 - the listener's failure must not lose the metrics
                 print(f"gpuflow: metrics of step {step} not handed on: {type(e).__name__}: {e}", flush=True)
-        try:
-            self.client.log_batch(self.run_id, metrics=[Metric(k, v, ts, step) for step, ts, metrics in lines
-                                                        for k, v in metrics.items()], synchronous=True)
-            self.logged += len(lines)
-        except Exception as e:  # noqa: BLE001 - the run goes on; the loss is said
-            print(f"gpuflow: could not log {len(lines)} metrics line(s) (steps {lines[0][0]}-{lines[-1][0]}): "
-                  f"{type(e).__name__}: {e}", flush=True)
+        self.pending += lines
 
     def _upload_checkpoints(self) -> None:
         """Upload each new complete epoch checkpoint before its metrics: a replacement resumes any logged one."""
