@@ -29,13 +29,13 @@ def watch(children: dict, start_timeout_s: float) -> None:
                 states = {m: r.state.type.value if r.state else "SCHEDULED" for m, r in runs.items()}
                 if all(s in DONE for s in states.values()):
                     return
-                if any(s in ENDED for s in states.values()):
-                    break
-                late = [m for m, s in states.items() if s in WAITING]
+                late = [m for m, s in states.items() if s in WAITING]  # first: the others' rendezvous waits for it
                 if late and time.monotonic() - started > start_timeout_s:
                     raise NodeFailed(f"node {late[0]} did not start within {start_timeout_s:g} s: no worker took "
                                      f"its queue; run `gpuflow node` on that machine, or pick other nodes",
                                      node=late[0])
+                if any(s in ENDED for s in states.values()):
+                    break
                 time.sleep(POLL_S)
         except BaseException:
             cancel(client, children)
