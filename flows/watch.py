@@ -13,6 +13,7 @@ CANCEL_GRACE_S = 10.0  # a node's machine answers a cancellation within it, or i
 DONE = {"COMPLETED"}
 ENDED = {"FAILED", "CRASHED", "CANCELLED", "CANCELLING"}
 WAITING = {"SCHEDULED", "PENDING", "LATE", "AWAITINGRETRY", "PAUSED"}
+RDZV_TIMEOUT = "RendezvousTimeoutError"  # a peer gave up waiting: one still waiting to start is the cause (CI11)
 
 
 def watch(children: dict, start_timeout_s: float) -> None:
@@ -30,7 +31,8 @@ def watch(children: dict, start_timeout_s: float) -> None:
                 if all(s in DONE for s in states.values()):
                     return
                 late = [m for m, s in states.items() if s in WAITING]  # first: the others' rendezvous waits for it
-                if late and time.monotonic() - started > start_timeout_s:
+                gave_up = any(RDZV_TIMEOUT in (r.state.message or "") for r in runs.values() if r.state)
+                if late and (time.monotonic() - started > start_timeout_s or gave_up):
                     raise NodeFailed(f"node {late[0]} did not start within {start_timeout_s:g} s: no worker took "
                                      f"its queue; run `gpuflow node` on that machine, or pick other nodes",
                                      node=late[0])
