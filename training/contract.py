@@ -24,10 +24,8 @@ STOP_GRACE_ENV = "GPUFLOW_STOP_GRACE_S"  # seconds between SIGTERM and SIGKILL w
 FAULT_ENV = "GPUFLOW_FAULT"  # tests only: kill a rank at a chosen point (faults.py)
 DIST_TIMEOUT_ENV = "GPUFLOW_DIST_TIMEOUT_S"  # a user script's default collective timeout (runscript.py)
 PROCESS_GROUP_FILE_ENV = "GPUFLOW_PROCESS_GROUP_FILE"  # where rank 0 records whether the script joined one
-JOIN_GRACE_ENV = "GPUFLOW_JOIN_GRACE_S"  # how long rank 0 may run without a process group before a warning
 NODE_ADDR_ENV = "GPUFLOW_NODE_ADDR"  # a machine's address for the other nodes of a placed run (flows/nodes.py)
 NODE_DIR_ENV = "GPUFLOW_NODE_DIR"  # the folder `gpuflow node` serves from: its placed runs run there
-JOIN_GRACE_S = 60.0  # long enough for a script's data preparation before init_process_group
 PROCESS_GROUP_FILE = "process_group.json"  # its name in the run folder
 
 
@@ -205,11 +203,12 @@ def read_process_group(path: str | os.PathLike) -> dict | None:
         return None
 
 
-def not_distributed(script: str, world_size: int, after_s: float | None = None) -> str:
-    """One line: `script` ran (`after_s`: has run that long) in processes that joined no group; and the fix."""
-    what = (f"{script} ran in {world_size} processes that never joined a process group: each trained a full copy "
-            "of the model and wrote the same files" if after_s is None else
-            f"{script} has run {after_s:g} s in {world_size} processes and rank 0 has joined no process group: "
-            "each process is training a full copy of the model and writing the same files")
+def not_distributed(script: str, world_size: int, stepping: bool = False) -> str:
+    """One line: `script` ran (`stepping`: began to train) in processes that joined no group; and the fix."""
+    what = (f"{script} began to train in {world_size} processes without a process group (an optimizer step "
+            "outside one): each would train a full copy of the model and write the same files, so it was "
+            "stopped" if stepping else
+            f"{script} ran in {world_size} processes that never joined a process group: each trained a full copy "
+            "of the model and wrote the same files")
     return (f"{what}; run it with --strategy single (one process), or make it distributed "
             "(torch.distributed.init_process_group, a DistributedSampler, DDP)")

@@ -14,5 +14,9 @@ class DiskFull(UserError):
     """A write failed for lack of space (or quota); the message names the path and the fix."""
 
 
+class NotDistributed(UserError):
+    """A script in several processes steps its optimizer outside a process group; the message gives the fix."""
+
+
 class TrainingDiverged(RuntimeError):
     """The loss stopped being a finite number; the message names the epoch and what to try."""

@@ -1,6 +1,7 @@
 """`torchrun ... -m gpuflow.training.runscript train.py ARGS...`: a user's script, run as `python train.py ARGS...`
 would run it, with whole output lines, the run's --dist-timeout-s as default collective timeout, its error left
-for the flow (not run again after a failure without progress), and a warning when its ranks join no group."""
+for the flow (not run again after a failure without progress), and its first optimizer step outside a process
+group refused when it runs in several processes."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 from . import contract
 from .compat import set_default_pg_timeout
 from .contract import ranks
+from .errors import NotDistributed
 
 
 def _set_dist_timeout() -> float | None:
@@ -34,16 +36,32 @@ def _timeout_hint(exc: BaseException, seconds: float | None) -> str:
             "such waits are expected]")
 
 
+def refuse_steps_outside_a_group(script: str):
+    """On each rank of several: the first optimizer step outside a process group ends the script with the fix
+    (each process would train a full copy); the hook's handle, else None."""
+    here = ranks()
+    if here.world_size < 2:
+        return None
+    import torch.distributed as dist
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    def check(optimizer, args, kwargs) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise NotDistributed(contract.not_distributed(Path(script).name, here.world_size, stepping=True))
+
+    return register_optimizer_step_pre_hook(check)
+
+
 class ProcessGroupWatch:
     """On rank 0 of several: whether the script ever joins a process group, polled on a thread (torch announces
     no join), so a group that lives only milliseconds can be missed."""
 
     POLL_S = 0.01  # cheap: a flag read
 
-    def __init__(self, script: str, world_size: int, grace_s: float):
+    def __init__(self, script: str, world_size: int):
         import torch.distributed as dist
 
-        self.script, self.world_size, self.grace_s = script, world_size, grace_s
+        self.script, self.world_size = script, world_size
         self._initialized = dist.is_initialized
         self._joined, self._stop = threading.Event(), threading.Event()
         self._thread = threading.Thread(target=self._watch, name="gpuflow-process-group-watch", daemon=True)
@@ -57,24 +75,13 @@ class ProcessGroupWatch:
             return None
         import torch.distributed as dist
 
-        if not dist.is_available():
-            return None
-        grace = float(os.environ.get(contract.JOIN_GRACE_ENV) or contract.JOIN_GRACE_S)
-        return cls(Path(script).name, here.world_size, grace)
+        return cls(Path(script).name, here.world_size) if dist.is_available() else None
 
     def _watch(self) -> None:
-        started, warned = time.monotonic(), False
         while not self._stop.wait(self.POLL_S):
             if self._initialized():
                 self._joined.set()
-                if warned:
-                    print(f"[gpuflow] {self.script} joined a process group after all: ignore the warning above",
-                          file=sys.stderr)
                 return
-            if not warned and time.monotonic() - started >= self.grace_s:
-                print(f"[gpuflow] warning: {contract.not_distributed(self.script, self.world_size, self.grace_s)}",
-                      file=sys.stderr)
-                warned = True
 
     def finish(self, record: bool) -> None:
         """Stop watching; when the script ended well (`record`), leave whether it joined for the flow."""
@@ -96,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     timeout = _set_dist_timeout()
     sys.argv = [argv[0], *argv[1:]]
     sys.path[0] = str(Path(script).parent)  # as `python train.py`: its own folder first
-    watch = ProcessGroupWatch.start_for(script)
+    watch, hook = ProcessGroupWatch.start_for(script), refuse_steps_outside_a_group(script)
     started, ended_well = time.time(), False
     try:
         runpy.run_path(script, run_name="__main__")
@@ -105,8 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         ended_well = e.code in (None, 0)
         raise
     except BaseException as e:  # the script's own error: report it as Python would, and leave it for the flow
-        deterministic = not isinstance(e, KeyboardInterrupt) and not contract.made_progress(
-            started, os.environ.get(contract.OUTPUT_DIR_ENV), top_level=os.getcwd())
+        deterministic = isinstance(e, NotDistributed) or not isinstance(e, KeyboardInterrupt) and not (
+            contract.made_progress(started, os.environ.get(contract.OUTPUT_DIR_ENV), top_level=os.getcwd()))
         contract.write_error(e, deterministic, _timeout_hint(e, timeout))
         traceback.print_exc()
         return 1
@@ -114,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         flush_mlflow()
         if watch:
             watch.finish(record=ended_well)
+        if hook:
+            hook.remove()
     return 0
 
 
