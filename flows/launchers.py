@@ -8,6 +8,7 @@ import json
 import threading
 import time
 from contextlib import contextmanager, nullcontext
+from contextvars import copy_context
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -185,23 +186,33 @@ def watching(run: tracked.TrackedRun, metric: str | None, report, interval: floa
     if report is None:
         yield
         return
-    done = threading.Event()
+    done, log = threading.Event(), get_run_logger()
 
     def poll() -> None:
-        seen = 0
+        seen, warned = 0, False
         while not done.wait(interval):
             history = sorted(run.client.get_metric_history(run.run_id, metric), key=lambda m: (m.step, m.timestamp))
             for k, m in enumerate(history[seen:], start=seen):
                 report(k, {metric: m.value})
             seen = len(history)
+            if not (seen or warned) and (others := own_metrics((r := run.client.get_run(run.run_id)).data.metrics)):
+                warned = True  # its first metrics, without the one optimized: most likely a misnamed metric
+                log.warning(f"{r.info.run_name} has logged {', '.join(others)} but no {metric!r} so far: if it never "
+                            "does, the sweep fails when the trial ends; stop it now (Ctrl-C) and optimize one of "
+                            f"those, or log {metric!r} with helper.report or mlflow.log_metric")
 
-    watcher = threading.Thread(target=poll, name="gpuflow-trial-metric", daemon=True)
+    watcher = threading.Thread(target=copy_context().run, args=(poll,), name="gpuflow-trial-metric", daemon=True)
     watcher.start()
     try:
         yield
     finally:
         done.set()
         watcher.join()
+
+
+def own_metrics(metrics: dict) -> list[str]:
+    """The metrics a run logged itself: not MLflow's system metrics (`system/...`)."""
+    return sorted(k for k in metrics if not k.startswith("system/"))
 
 
 @task(name="collect-outputs", cache_policy=NO_CACHE)

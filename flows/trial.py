@@ -21,7 +21,7 @@ from gpuflow.tasks.tracking import tracked
 from gpuflow.training.contract import RunFolder
 
 from .job import Placement, run_job
-from .launchers import Script, Worker
+from .launchers import Script, Worker, own_metrics
 from .params import PipelineParams, ScriptParams, SweepParams
 from .space import SweepError, with_values
 
@@ -184,7 +184,7 @@ def run_trial(t: Trial, params: SweepParams, parent_id: str, metric: str, study_
     final = done.get("final_metrics") or runs[0].client.get_run(done["run_id"]).data.metrics
     if metric not in final:
         raise SweepError(f"optimize={metric!r}: the trial logged no such metric (it logged "
-                         f"{', '.join(sorted(final)) or 'none'}); report it with helper.report or "
+                         f"{', '.join(own_metrics(final)) or 'none'}); report it with helper.report or "
                          "mlflow.log_metric, or optimize one of those")
     return float(final[metric])
 

@@ -74,7 +74,8 @@ DDP = """
 FIX = "run it with --strategy single (one process)"
 
 
-def run(folder, api: str, script: str, *args: str, extra: tuple[str, ...] = (), code: int = 0) -> tuple[dict, str]:
+def run(folder, api: str, script: str, *args: str, extra: tuple[str, ...] = (), code: int = 0
+        ) -> tuple[dict, str]:
     """(the run's tags, the console) of `gpuflow run --script` with 2 processes."""
     out = gpuflow(["run", "--script", f"{script}.py", "--cpu-processes", "2", "--tracking-uri",
                    f"sqlite:///{folder / 'mlflow.db'}", "--collect", '["*.pt"]', *args, "--", *extra], folder, api)
@@ -90,7 +91,8 @@ def collected(folder, run_id: str) -> set[str]:
     return {a.path for a in client(folder).list_artifacts(run_id, "collected")}
 
 
-def test_a_script_that_trains_in_two_processes_without_a_group_is_stopped_at_its_first_step(tmp_path, api_url):  # noqa: F811
+def test_a_script_that_trains_in_two_processes_without_a_group_is_stopped_at_its_first_step(
+        tmp_path, api_url):  # noqa: F811
     folder = project(tmp_path / "proj", solo=SOLO)
     tags, console = run(folder, api_url, "solo", extra=("2",), code=1)  # 2 s of data preparation first
     last = console.strip().splitlines()[-1]

@@ -5,11 +5,10 @@ Real parts throughout: the sweep flow on the session's Prefect server, real torc
 """
 
 import json
-import os
+import re
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -288,6 +287,21 @@ def test_a_scripts_sweep_fills_its_arguments_prunes_from_its_own_mlflow_metric_a
     (version,) = client.search_model_versions("name='scripted'")
     assert version.run_id == best.user_attrs["mlflow_run_id"] and out["promoted"] is True
     assert client.get_model_version_by_alias("scripted", "champion").version == version.version
+
+
+def test_a_scripts_sweep_over_a_metric_it_never_logs_says_so_at_its_first_metrics(prefect_api, tmp_path):
+    (tmp_path / "train.py").write_text(SCRIPT)
+    cmd = [str(BIN / "gpuflow"), "sweep", "--script", "train.py", "--trials", "1", "--optimize", "loss",
+           "--space", _space(tmp_path, "lr: {type: float, low: 1.0e-4, high: 1.0, log: true}\n"), "--gpus", "cpu",
+           "--tracking-uri", f"sqlite:///{tmp_path / 'mlflow.db'}", "--", "--lr", "{lr}", "--width", "4",
+           "--epochs", "6"]
+    out = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    console = out.stdout + out.stderr
+    assert out.returncode == 2 and console.strip().splitlines()[-1].startswith(
+        "gpuflow sweep: optimize='loss': the trial logged no such metric (it logged val_score); "), console[-3000:]
+    warned = re.search(r"\S+-t0 has logged val_score but no 'loss' so far: if it never does, the sweep fails", console)
+    trained = re.search(r"Task run 'launch-script-\w+' - Finished", console)  # its 6 epochs of 1.5 s
+    assert warned and trained and warned.start() < trained.start(), console[-3000:]
 
 
 @pytest.mark.parametrize("space, args, says", [
