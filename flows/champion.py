@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from gpuflow.tasks.tracking.registry import champion_version, evaluate_version, promote
+from gpuflow.tasks.tracking.registry import champion_version, evaluate_versions, promote
 from gpuflow.tasks.tracking.results import OUTCOME_TAG
 from gpuflow.training.errors import UserError
 from gpuflow.training.judged import better, mode_of
@@ -50,9 +50,9 @@ def compare_with_champion(params: RetrainParams, client, challenger_v: str, run_
     champion_v = champion_version(client, name)
     # The evaluations use a device as training does; held-out data: the challenger's validation split
     with on_one_device(params.eval_gpus) as (plan, fds):
-        challenger = evaluate_version(client, name, challenger_v, plan, dataset=params.dataset, hold_fds=fds)
-        champion = (evaluate_version(client, name, champion_v, plan, dataset=params.dataset, hold_fds=fds)
-                    if champion_v and champion_v != challenger_v else None)
+        versions = [challenger_v, *([champion_v] if champion_v and champion_v != challenger_v else [])]
+        reports = evaluate_versions(client, name, versions, plan, dataset=params.dataset, hold_fds=fds)
+    challenger, champion = reports[0], (reports[1] if len(reports) > 1 else None)
     metric, mode = compared(params.metric, challenger)
     promoted = better(challenger[metric], champion and champion[metric], mode)
     if promoted:

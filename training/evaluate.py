@@ -1,6 +1,6 @@
 """Evaluate or apply a checkpoint on one device, reporting through a JSON file.
 
-    python -m gpuflow.training.evaluate --checkpoint CK --result OUT.json [--dataset D ...]
+    python -m gpuflow.training.evaluate --checkpoint CK [CK ...] --result OUT.json [--dataset D ...]
     python -m gpuflow.training.evaluate --checkpoint CK --result OUT.json --inputs X.pt
 
 Loads only tensors (weights_only=True) and rebuilds the plain model from the config stored
@@ -245,7 +245,8 @@ def _concat(a, b):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m gpuflow.training.evaluate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", required=True, help="a gpuflow checkpoint file")
+    p.add_argument("--checkpoint", required=True, nargs="+", help="gpuflow checkpoint files: several are "
+                   "evaluated in turn (one report each, in a list)")
     p.add_argument("--result", required=True, help="where to write the JSON report")
     p.add_argument("--inputs", help="predict for the tensors in this file instead of evaluating")
     p.add_argument("--split", choices=["val", "all"], default="val")
@@ -255,14 +256,16 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     try:
         hold_card_locks()  # before the card is touched: no new run gets it until this process is gone
-        res = (predict(a.checkpoint, a.inputs, a.device) if a.inputs else
-               evaluate(a.checkpoint, a.split, a.device, dataset=a.dataset, data_root=a.data_root))
+        if a.inputs and len(a.checkpoint) > 1:
+            raise UserError("--inputs: give one --checkpoint")
+        res = ([predict(a.checkpoint[0], a.inputs, a.device)] if a.inputs else
+               [evaluate(ck, a.split, a.device, dataset=a.dataset, data_root=a.data_root) for ck in a.checkpoint])
     except UserError as e:  # the result file carries it to the parent, which prints it once
         write_json_atomic(a.result, {"error": str(e)})
         if sys.stderr.isatty():
             print(f"error: {e}", file=sys.stderr)
         return 2
-    write_json_atomic(a.result, res)
+    write_json_atomic(a.result, res if len(res) > 1 else res[0])
     return 0
 
 

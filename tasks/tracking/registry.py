@@ -88,40 +88,46 @@ def checkpoint_of(client, name: str, version: str, dest: Path) -> Path:
     return Path(client.download_artifacts(run_id, sorted(files)[-1], str(dest)))
 
 
-def run_on_device(checkpoint: Path, plan: DevicePlan, log, *args: str, hold_fds: tuple[int, ...] = ()) -> dict:
-    """Run gpuflow.training.evaluate in a child that sees only the plan's device; its JSON report.
-
-    The caller holds card_locks(plan); the child holds `hold_fds`, their descriptors, too."""
+def run_on_device(checkpoints: list[Path], plan: DevicePlan, log, *args: str, hold_fds: tuple[int, ...] = ()):
+    """Run gpuflow.training.evaluate on `checkpoints`, one after the other, in one child that sees only the plan's
+    device; its JSON report (a list of them for several). The caller holds card_locks(plan); the child holds
+    `hold_fds`, their descriptors, too."""
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "result.json"
-        cmd = [sys.executable, "-m", "gpuflow.training.evaluate", "--checkpoint", str(checkpoint),
+        cmd = [sys.executable, "-m", "gpuflow.training.evaluate", "--checkpoint", *map(str, checkpoints),
                "--device", plan.device, "--result", str(out), *args]
         code, tail = run_child(cmd, child_environment(plan), Path.cwd(), log, hold_fds)
         report = json.loads(out.read_text()) if out.is_file() else None
-        if code == 2 and report and "error" in report:
+        if code == 2 and isinstance(report, dict) and "error" in report:
             raise EvaluationRefused(report["error"])
         if code != 0 or report is None:
-            raise EvaluationFailed(f"evaluation of {checkpoint} failed (exit {code}):\n" + "\n".join(tail[-10:]))
+            raise EvaluationFailed(f"evaluation of {', '.join(map(str, checkpoints))} failed (exit {code}):\n"
+                                   + "\n".join(tail[-10:]))
         return report
+
+
+def _data_args(dataset: str | None, data_root: str | None) -> list[str]:
+    return [*(["--dataset", dataset] if dataset else []), *(["--data-root", data_root] if data_root else [])]
 
 
 @task(name="evaluate-checkpoint", cache_policy=NO_CACHE)
 def evaluate_checkpoint(checkpoint: Path, plan: DevicePlan, split: str = "val", dataset: str | None = None,
                         data_root: str | None = None, hold_fds: tuple[int, ...] = ()) -> dict:
     """Loss and accuracy of a checkpoint on a dataset split, on the plan's one device (see run_on_device)."""
-    args = ["--split", split, *(["--dataset", dataset] if dataset else []),
-            *(["--data-root", data_root] if data_root else [])]
-    return run_on_device(checkpoint, plan, get_run_logger(), *args, hold_fds=hold_fds)
+    return run_on_device([checkpoint], plan, get_run_logger(), "--split", split, *_data_args(dataset, data_root),
+                         hold_fds=hold_fds)
 
 
-@task(name="evaluate-version", cache_policy=NO_CACHE)
-def evaluate_version(client, name: str, version: str, plan: DevicePlan, dataset: str | None = None,
-                     data_root: str | None = None, hold_fds: tuple[int, ...] = ()) -> dict:
-    """Fetch a registered version's checkpoint and evaluate it on the plan's device."""
+@task(name="evaluate-versions", cache_policy=NO_CACHE)
+def evaluate_versions(client, name: str, versions: list[str], plan: DevicePlan, dataset: str | None = None,
+                      data_root: str | None = None, hold_fds: tuple[int, ...] = ()) -> list[dict]:
+    """Fetch registered versions' checkpoints and evaluate them on the plan's device, in one child (one torch
+    import, one dataset load)."""
     with tempfile.TemporaryDirectory() as d:
-        ck = checkpoint_of(client, name, version, Path(d))
-        return evaluate_checkpoint.fn(ck, plan, dataset=dataset, data_root=data_root,
-                                      hold_fds=hold_fds) | {"version": version}
+        cks = [checkpoint_of(client, name, v, Path(d) / f"v{v}") for v in versions]
+        reports = run_on_device(cks, plan, get_run_logger(), *_data_args(dataset, data_root), hold_fds=hold_fds)
+    reports = reports if len(versions) > 1 else [reports]
+    return [r | {"version": v} for r, v in zip(reports, versions)]
 
 
 @task(name="promote", cache_policy=NO_CACHE)
