@@ -53,8 +53,8 @@ def place(launcher) -> dict:
                         "the team stack's tracking server needs none (gpuflow stack)", params.tracking_uri)
         want = params.nodes
         while True:
-            machines = ready_queues(params.node_pool, want, [m for m, _ in lost], params.rdzv_timeout_s if lost else 0,
-                                    lost, at_least=params.min_nodes or want)
+            machines = ready_queues(params.node_pool, want, params.min_nodes or want, [m for m, _ in lost],
+                                    params.rdzv_timeout_s if lost else 0, lost)
             round_id = f"{job}-r{len(lost)}" if lost else str(job)
             run.client.set_tag(run.run_id, "machines", ",".join(machines))
             if lost:  # a spare came, or the run goes on with fewer machines
@@ -112,8 +112,8 @@ def last_checkpoint(run) -> tuple[str | None, int | None]:
     return path, epoch
 
 
-def ready_queues(pool: str, count: int, exclude: list[str] = (), wait_s: float = 0, lost=(),
-                 at_least: int | None = None) -> list[str]:
+def ready_queues(pool: str, count: int, at_least: int, exclude: list[str] = (), wait_s: float = 0,
+                 lost=()) -> list[str]:
     """`count` machines of the pool whose queue a worker polled in the last minute, by name, none of
     `exclude`; waiting up to `wait_s` for them (a spare for a lost machine), then taking `at_least` of them."""
     from prefect.client.orchestration import get_client
@@ -134,7 +134,7 @@ def ready_queues(pool: str, count: int, exclude: list[str] = (), wait_s: float =
             if time.monotonic() >= deadline:
                 break
             time.sleep(POLL_S)
-    if lost and ready and len(ready) >= (at_least or count):
+    if lost and len(ready) >= at_least:
         return ready
     if lost:
         raise NodeFailed(f"node {lost[-1][0]} failed ({lost[-1][1]}) and no spare machine of node_pool {pool!r} came "
