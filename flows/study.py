@@ -5,9 +5,11 @@
 from __future__ import annotations
 
 import socket
+import threading
 import urllib.parse
 import warnings
 from contextlib import contextmanager
+from contextvars import copy_context
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -130,7 +132,7 @@ def best_so_far(study) -> str:
 
 
 def summarize(study, parent: tracked.TrackedRun, metric: str) -> dict:
-    """The parent run's table of trials, best params and score, and the plots a user looks at."""
+    """The parent run's table of trials, best params and score."""
     from optuna.trial import TrialState
 
     complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
@@ -145,7 +147,6 @@ def summarize(study, parent: tracked.TrackedRun, metric: str) -> dict:
     best = study.best_trial
     parent.log_metrics({f"best_{metric}": best.value})
     parent.log_params({f"best.{k}": v for k, v in best.params.items()} | {"best.trial": best.number})
-    plots(study, parent)
     return {"best_trial": best.number, "best_value": best.value, "best_params": best.params,
             "best_run_id": best.user_attrs.get("mlflow_run_id"), "trials": states}
 
@@ -156,6 +157,17 @@ def tempfile_path(name: str):
 
     with tempfile.TemporaryDirectory() as d:
         yield Path(d) / name
+
+
+@contextmanager
+def plots_beside(study, parent: tracked.TrackedRun):
+    """The plots drawn on a thread while the block runs."""
+    drawing = threading.Thread(target=copy_context().run, args=(plots, study, parent), name="gpuflow-sweep-plots")
+    drawing.start()
+    try:
+        yield
+    finally:
+        drawing.join()
 
 
 def plots(study, parent: tracked.TrackedRun) -> None:

@@ -30,7 +30,7 @@ from .checked import checked_flow
 from .params import SweepParams
 from .space import Distribution, SweepError, read_space
 from .study import (HEARTBEAT_S, Kept, best_so_far, counted, default_study, open_study, storage_url,
-                    study_name, summarize)
+                    plots_beside, study_name, summarize)
 from .trial import Slot, Slots, Trial, run_trial
 
 CONSECUTIVE_FAILURES = 3  # trials failing in a row stop the sweep: the next would fail the same way
@@ -84,7 +84,8 @@ def sweep(params: SweepParams) -> dict:
             finished = run_trials(kept, space, params, slots, parent.run_id, metric, name)
         summary = summarize(study, parent, metric)
         if summary.get("best_run_id"):
-            summary |= register_best(params, client, summary, name, finished.get(summary["best_run_id"]))
+            summary |= register_best(params, client, summary, name, finished.get(summary["best_run_id"]),
+                                     plots_beside(study, parent))
             for k in ("model_version", "promoted"):
                 parent.client.set_tag(parent.run_id, f"sweep.{k}", str(summary.get(k)))
     log.info("sweep %s: %s", name, summary)
@@ -183,19 +184,21 @@ def tell(study, t: Trial, fut: Future, log):
     return TrialState.FAIL
 
 
-def register_best(params: SweepParams, client, summary: dict, name: str, result: dict | None) -> dict:
-    """Register the best trial's model and put it through the champion/challenger rule (flows/champion.py); `result`
-    as the trial returned it, or None to read it from the run's folder."""
+def register_best(params: SweepParams, client, summary: dict, name: str, result: dict | None, beside) -> dict:
+    """Register the best trial's model and put it through the champion/challenger rule (flows/champion.py), the
+    `beside` block (the plots) running meanwhile; `result` as the trial returned it, or None: read from its folder."""
     run_id = summary["best_run_id"]
     folder = RunFolder.of(params.runs_dir, run_id)
     result = result or json.loads(folder.result.read_text())
     run = tracked.attached_run(params.tracking_uri, run_id, folder.root)
     how = f"best trial {summary['best_trial']} of sweep {name} ({summary['best_params']})"
     if params.script:  # registered as train-script registers it; gpuflow cannot evaluate it
-        version = Script(params).register(run, result, params.registered_model, f"(run {run_id}): {how}")
+        with beside:
+            version = Script(params).register(run, result, params.registered_model, f"(run {run_id}): {how}")
         return {"model_version": version,
                 "promoted": version is not None and offer_unevaluated(client, params.registered_model, version)}
     version = results.register_model(run, result, params.registered_model, str(Path.cwd()),
                                      f"{params.model} on {params.dataset}: {how}")
-    decision = compare_with_champion(params, client, version, run_id, "sweep")
+    with beside:  # the evaluations run in a child process: the plots' imports and drawing take no time of theirs
+        decision = compare_with_champion(params, client, version, run_id, "sweep")
     return {"model_version": version, "promoted": decision["promoted"]}
