@@ -97,7 +97,8 @@ def test_a_script_that_trains_in_two_processes_without_a_group_is_stopped_at_its
     tags, console = run(folder, api_url, "solo", extra=("2",), code=1)  # 2 s of data preparation first
     last = console.strip().splitlines()[-1]
     assert last.startswith("gpuflow run: solo.py failed: NotDistributed: solo.py began to train in 2 processes "
-                           "without a process group") and FIX in last and re.search(r"solo\.py, line 20; rank [01]\)$", last)
+                           "without a process group") and FIX in last
+    assert re.search(r"solo\.py, line 20; rank [01]\)$", last), last
     assert tags["status"] == "FAILED" and not (folder / "model.pt").exists()  # stopped before its copies saved
     assert "not run again: NotDistributed" in console, console[-4000:]  # torchrun's restart trains nothing
 
@@ -133,6 +134,29 @@ def test_a_ddp_script_is_not_flagged_however_long_it_prepares_before_it_joins(tm
     assert "gpuflow.not_distributed" not in tags and "gpuflow.predates_run" not in tags, tags
     assert "process group" not in console, console[-4000:]
     assert collected(folder, tags["run_id"]) == {"collected/model.pt"}
+
+
+# A DDP script that ran to its end, then each rank dies as it exits on the first attempt (as gloo's exit abort,
+# pytorch#190489, kills a finished rank): torchrun restarts the group.
+ABORTS_AT_EXIT = """
+    import atexit, os, torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    dist.barrier()
+    dist.destroy_process_group()
+    with open(f"ran-{os.environ['RANK']}.txt", "a") as f:
+        f.write(os.environ["TORCHELASTIC_RESTART_COUNT"] + "\\n")
+    if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+        atexit.register(os.abort)
+"""
+
+
+def test_a_script_whose_ranks_all_finished_is_not_run_again_when_they_die_at_exit(tmp_path, api_url):  # noqa: F811
+    folder = project(tmp_path / "proj", aborts=ABORTS_AT_EXIT)
+    tags, console = run(folder, api_url, "aborts")
+    assert [(folder / f"ran-{r}.txt").read_text() for r in (0, 1)] == ["0\n", "0\n"]  # once each, not twice
+    assert console.count("not run again: every rank ran the script to its end") == 2, console[-4000:]
+    assert client(folder).get_run(tags["run_id"]).info.status == "FINISHED"
 
 
 @pytest.mark.parametrize("script, nproc, joined", [("solo", 2, False), ("train", 2, True), ("solo", 1, None)])

@@ -79,6 +79,7 @@ class Ranks:
     world_size: int
     restarts: int
     under_torchrun: bool
+    local_world_size: int = 1
 
     @property
     def is_main(self) -> bool:
@@ -88,7 +89,8 @@ class Ranks:
 def ranks() -> Ranks:
     env = os.environ
     return Ranks(int(env.get("RANK", 0)), int(env.get("LOCAL_RANK", 0)), int(env.get("WORLD_SIZE", 1)),
-                 int(env.get("TORCHELASTIC_RESTART_COUNT", 0)), "RANK" in env and "WORLD_SIZE" in env)
+                 int(env.get("TORCHELASTIC_RESTART_COUNT", 0)), "RANK" in env and "WORLD_SIZE" in env,
+                 int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", 1))))
 
 
 def _attempt() -> int:
@@ -171,6 +173,28 @@ def replay_deterministic() -> dict | None:
     print(f"[rank {_rank()}] not run again: {describe(before[0])} (the attempt before failed the same way "
           "before any progress)", file=sys.stderr, flush=True)
     return before[0]
+
+
+def write_finished() -> None:
+    """For a restart: this rank's script ran to its end (gloo may still abort it at exit, pytorch#190489)."""
+    if folder := os.environ.get(ERROR_DIR_ENV):
+        out = Path(folder) / f"attempt-{_attempt()}" / f"finished-{_rank()}"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.touch()
+
+
+def replay_finished() -> bool:
+    """In a restarted rank of a one-machine job: whether every rank of the attempt before ran its script to the end,
+    so that an exit abort, not the script, failed it (the caller exits 0: running it again would train twice)."""
+    folder, here = os.environ.get(ERROR_DIR_ENV), ranks()
+    if not folder or here.restarts == 0 or here.local_world_size != here.world_size:
+        return False
+    if len(list((Path(folder) / f"attempt-{here.restarts - 1}").glob("finished-*"))) < here.world_size:
+        return False
+    write_finished()
+    print(f"[rank {here.rank}] not run again: every rank ran the script to its end in the attempt before, which "
+          "failed as a process exited (gloo's exit abort, pytorch#190489)", file=sys.stderr, flush=True)
+    return True
 
 
 def read_error(folder: str | os.PathLike) -> dict | None:

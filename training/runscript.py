@@ -99,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     contract.whole_lines()
     if contract.replay_deterministic():
         return 1
+    if contract.replay_finished():
+        return 0
     script = str(Path(argv[0]).resolve())
     timeout = _set_dist_timeout()
     sys.argv = [argv[0], *argv[1:]]
@@ -118,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         return 1
     finally:
+        if ended_well:
+            contract.write_finished()
         flush_mlflow()
         if watch:
             watch.finish(record=ended_well)
