@@ -16,9 +16,8 @@ from gpuflow.tasks.devices.assign import Devices, assign_devices_for, why_not
 from gpuflow.tasks.devices.cards import CardLocks
 from gpuflow.tasks.devices.probe import EnvironmentReport, probe_environment
 from gpuflow.tasks.child import Stopped
-from gpuflow.tasks.scriptout import CHECKPOINT_SUFFIXES
 from gpuflow.tasks.tracking import tracked
-from gpuflow.training.contract import RunFolder
+from gpuflow.training.contract import CHECKPOINT_SUFFIXES, RunFolder
 
 from .job import Placement, run_job
 from .launchers import Script, Worker, own_metrics

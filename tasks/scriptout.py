@@ -14,7 +14,7 @@ from typing import Annotated
 
 from pydantic import AfterValidator, Field
 
-from gpuflow.training.contract import RunFolder, not_distributed, read_process_group
+from gpuflow.training.contract import CHECKPOINT_SUFFIXES, RunFolder, not_distributed, read_process_group
 
 from .tracking.tracked import TrackedRun
 
@@ -65,9 +65,6 @@ def plain_files(root: Path) -> tuple[list[Path], list[str]]:
             elif name in names and path.is_file() and not name.startswith("."):
                 files.append(path)
     return sorted(files), skipped
-
-
-CHECKPOINT_SUFFIXES = (".pt", ".pth", ".ckpt", ".safetensors")
 
 
 def written_during(cwd: Path, launched: float, own: Path) -> list[str]:

@@ -5,6 +5,7 @@ and the one job function's callers. Pure: part of `make test-fast`."""
 from __future__ import annotations
 
 import ast
+import time
 from datetime import timedelta
 
 import pytest
@@ -135,3 +136,30 @@ def test_every_training_job_goes_through_the_one_job_function():
     assert found["launch_training"] | found["launch_script"] == {"flows/launchers.py"}
     assert found["register_model"] <= {"flows/launchers.py", "tasks/tracking/results.py", "flows/sweep.py"}
     assert callers({"run_job"})["run_job"] == {"flows/train.py", "flows/script.py", "flows/trial.py", "flows/nodes.py"}
+
+
+def test_progress_in_the_working_folder_is_a_checkpoint_file_not_the_tracking_store(tmp_path):
+    from gpuflow.training.contract import made_progress
+
+    since = time.time() - 1
+    (tmp_path / "mlflow.db").write_text("written by the flow while the script ran")
+    (tmp_path / "out").mkdir()
+    assert not made_progress(since, tmp_path / "out", top_level=tmp_path)  # a failure then is not retried
+    (tmp_path / "snapshot.pt").write_bytes(b"weights")
+    assert made_progress(since, tmp_path / "out", top_level=tmp_path)
+    assert not made_progress(time.time() + 1, tmp_path / "out", top_level=tmp_path)
+
+
+@pytest.mark.parametrize("finished, local, replayed", [(2, 2, True), (1, 2, False), (2, 1, False)])
+def test_a_restart_replays_success_only_when_every_rank_of_one_machine_finished(
+        tmp_path, monkeypatch, finished, local, replayed):
+    from gpuflow.training.contract import ERROR_DIR_ENV, replay_finished
+
+    (tmp_path / "attempt-0").mkdir()
+    for r in range(finished):
+        (tmp_path / "attempt-0" / f"finished-{r}").touch()
+    for k, v in {ERROR_DIR_ENV: str(tmp_path), "RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": str(local),
+                 "TORCHELASTIC_RESTART_COUNT": "1"}.items():
+        monkeypatch.setenv(k, v)
+    assert replay_finished() is replayed
+    assert (tmp_path / "attempt-1" / "finished-1").exists() is replayed  # so a later restart replays it too

@@ -27,6 +27,7 @@ PROCESS_GROUP_FILE_ENV = "GPUFLOW_PROCESS_GROUP_FILE"  # where rank 0 records wh
 NODE_ADDR_ENV = "GPUFLOW_NODE_ADDR"  # a machine's address for the other nodes of a placed run (flows/nodes.py)
 NODE_DIR_ENV = "GPUFLOW_NODE_DIR"  # the folder `gpuflow node` serves from: its placed runs run there
 PROCESS_GROUP_FILE = "process_group.json"  # its name in the run folder
+CHECKPOINT_SUFFIXES = (".pt", ".pth", ".ckpt", ".safetensors")  # files a script saves its weights in
 
 
 class RunFolder:
@@ -113,13 +114,13 @@ def where(exc: BaseException) -> tuple[str | None, int | None]:
 
 
 def made_progress(since: float, *folders: str | os.PathLike | None, top_level: str | os.PathLike | None = None) -> bool:
-    """Whether a file was written after `since` anywhere under `folders` (checkpoints, outputs)
-    or directly in `top_level` (a tutorial's snapshot.pt in the working folder)."""
+    """Whether a file was written after `since` anywhere under `folders` (checkpoints, outputs) or a checkpoint
+    file directly in `top_level` (a tutorial's snapshot.pt in the working folder; not the mlflow.db beside it)."""
     def newer(paths) -> bool:  # hidden files (locks, temp files of atomic writes) are not progress
         return any(not p.name.startswith(".") and p.is_file() and p.stat().st_mtime > since for p in paths)
 
     return (any(f and Path(f).is_dir() and newer(Path(f).rglob("*")) for f in folders)
-            or bool(top_level and newer(Path(top_level).iterdir())))
+            or bool(top_level and newer(p for p in Path(top_level).iterdir() if p.suffix in CHECKPOINT_SUFFIXES)))
 
 
 def _between_ranks(exc: BaseException) -> bool:
