@@ -143,8 +143,13 @@ def write_error(exc: BaseException, deterministic: bool, hint: str = "", located
             "deterministic": deterministic and not _between_ranks(exc)}, folder)
 
 
+def _attempt_dir(folder: str | os.PathLike, attempt: int) -> Path:
+    """Where the ranks of one torchrun attempt leave their errors and `finished-<rank>` marks."""
+    return Path(folder) / f"attempt-{attempt}"
+
+
 def _write(record: dict, folder: str) -> None:
-    out = Path(folder) / f"attempt-{_attempt()}" / f"rank-{_rank()}.json"
+    out = _attempt_dir(folder, _attempt()) / f"rank-{_rank()}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(record))
@@ -167,7 +172,7 @@ def replay_deterministic() -> dict | None:
     folder, attempt = os.environ.get(ERROR_DIR_ENV), _attempt()
     if not folder or attempt == 0:
         return None
-    before = [r for r in _records(Path(folder) / f"attempt-{attempt - 1}") if r["deterministic"]]
+    before = [r for r in _records(_attempt_dir(folder, attempt - 1)) if r["deterministic"]]
     if not before:
         return None
     _write(before[0] | {"rank": _rank(), "attempt": attempt}, folder)
@@ -179,7 +184,7 @@ def replay_deterministic() -> dict | None:
 def write_finished() -> None:
     """For a restart: this rank's script ran to its end (gloo may still abort it at exit, pytorch#190489)."""
     if folder := os.environ.get(ERROR_DIR_ENV):
-        out = Path(folder) / f"attempt-{_attempt()}" / f"finished-{_rank()}"
+        out = _attempt_dir(folder, _attempt()) / f"finished-{_rank()}"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.touch()
 
@@ -190,7 +195,7 @@ def replay_finished() -> bool:
     folder, here = os.environ.get(ERROR_DIR_ENV), ranks()
     if not folder or here.restarts == 0 or here.local_world_size != here.world_size:
         return False
-    if len(list((Path(folder) / f"attempt-{here.restarts - 1}").glob("finished-*"))) < here.world_size:
+    if len(list(_attempt_dir(folder, here.restarts - 1).glob("finished-*"))) < here.world_size:
         return False
     write_finished()
     print(f"[rank {here.rank}] not run again: every rank ran the script to its end in the attempt before, which "
