@@ -16,8 +16,8 @@ $(VENV_OK): pyproject.toml
 run: $(VENV_OK)          ## the main job: the training pipeline flow on its defaults
 	.venv/bin/gpuflow run $(ARGS)
 
-test: $(VENV_OK)         ## the test suite (CPU; gpu-marked tests skip without CUDA)
-	$(PY) -m pytest $(PYTEST_ARGS)
+test: $(VENV_OK)         ## the test suite (CPU; gpu-marked tests skip without CUDA), modules on 2 workers
+	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 test-fast: $(VENV_OK)    ## the pure parts only (parameters, space, devices, rules), under a minute
 	$(PY) -m pytest -m fast $(PYTEST_ARGS)

@@ -60,7 +60,7 @@ def predict(params: InferParams) -> dict | None:
 
     with on_one_device(params.gpus, read_environment, slot=False) as (plan, fds), tempfile.TemporaryDirectory() as d:
         ck, version = model_checkpoint(params, Path(d))
-        out = run_on_device([ck], plan, logging.getLogger("gpuflow.infer"), "--inputs",
+        (out,) = run_on_device([ck], plan, logging.getLogger("gpuflow.infer"), "--inputs",
                             str(Path(params.inputs).resolve()), hold_fds=fds)
     out |= {"registered_model": params.registered_model, "version": version, "physical_gpu": plan.primary}
     if params.output:

@@ -72,6 +72,7 @@ class Worker:
     """gpuflow's own worker (training/): the data step and preflight, its config, torchrun or python."""
 
     node_flow = "train-node"
+    resumes_itself = False  # a replacement round resumes from the run's last checkpoint (nodes.last_checkpoint)
 
     def __init__(self, params: PipelineParams):
         self.params, self.data = params, None
@@ -131,6 +132,7 @@ class Script:
     """A user's script, unchanged, under torchrun (tasks/launch.py launch_script); its files collected."""
 
     node_flow = "script-node"
+    resumes_itself = True  # from its own checkpoint, as under torchrun's restarts: gpuflow cannot tell where it is
     batch_size = precision = None
 
     def __init__(self, params: ScriptParams):

@@ -61,9 +61,11 @@ def place(launcher) -> dict:
                 fewer = "" if len(machines) >= want else (
                     f" ({len(machines)} of {params.nodes} machines: no spare came within {params.rdzv_timeout_s} s; "
                     "the batch split over fewer processes)")
+                resumed = "the script resumes from its own checkpoint" if launcher.resumes_itself else \
+                    f"resumed after epoch {epoch}"
                 run.client.set_tag(run.run_id, f"node_replacement.{len(lost)}",
                                    f"lost {lost[-1][0]} ({lost[-1][1][:300]}); now on {', '.join(machines)}{fewer}; "
-                                   f"resumed after epoch {epoch}")
+                                   f"{resumed}")
                 run.log_metrics({"node_replacements": len(lost), "nodes": len(machines)})
                 if fewer:
                     log.warning("going on without %s on %s%s", lost[-1][0], ", ".join(machines), fewer)
@@ -85,9 +87,10 @@ def place(launcher) -> dict:
                                 "code, data or values, before any progress)", e.node)
                     raise
                 lost.append((e.node, str(e).splitlines()[0]))
-                resume, epoch = last_checkpoint(run)
-                log.warning("%s; replacing it (%d of %d), resuming after epoch %s", str(e).splitlines()[0],
-                            len(lost), params.max_node_failures, epoch)
+                resume, epoch = (None, None) if launcher.resumes_itself else last_checkpoint(run)
+                log.warning("%s; replacing it (%d of %d), %s", str(e).splitlines()[0], len(lost),
+                            params.max_node_failures, "the script resuming from its own checkpoint"
+                            if launcher.resumes_itself else f"resuming after epoch {epoch}")
             finally:
                 Variable.unset(variable("rdzv", round_id))
         try:
@@ -193,5 +196,8 @@ class ScriptNodeParams(ScriptParams):
 def script_node(params: ScriptNodeParams) -> dict:
     """One machine's part of a placed script run (started by the parent flow, never by hand): the
     node whose processes hold global rank 0 logs the script's files and registers its model; the
-    others log their logs under nodes/<node>/."""
+    others log their logs under nodes/<node>/. A replacement round runs the script again on every machine: it
+    resumes from its own checkpoint, as under torchrun's restarts."""
+    if params.job.nodes:  # the run goes on with fewer machines
+        params = params.model_copy(update={"nodes": params.job.nodes})
     return run_job(Script(params), Placement(node=params.job))

@@ -158,9 +158,6 @@ class ScriptParams(Tracking, Placement, Launch, Devices):
         if self.nodes > 1 and self.strategy == "single":
             raise ValueError(f"nodes={self.nodes} runs the script in several processes: use strategy 'ddp' or "
                              "'auto'")
-        if self.max_node_failures:
-            raise ValueError("max_node_failures replaces machines of gpuflow's own worker, whose checkpoints the "
-                             "flow keeps; a script keeps its own: drop it for --script")
         return self
 
     def world_size(self, plan: DevicePlan) -> int:

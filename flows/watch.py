@@ -4,6 +4,7 @@ others followed, and cancelling every node still open."""
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 
 from prefect import get_run_logger
 
@@ -14,6 +15,9 @@ DONE = {"COMPLETED"}
 ENDED = {"FAILED", "CRASHED", "CANCELLED", "CANCELLING"}
 WAITING = {"SCHEDULED", "PENDING", "LATE", "AWAITINGRETRY", "PAUSED"}
 RDZV_TIMEOUT = "RendezvousTimeoutError"  # a peer gave up waiting: one still waiting to start is the cause (CI11)
+# A node's lines reach the server in batches (Prefect's every 2 s) from two processes, its worker and its flow run, so
+# one may land before lines already relayed: each read goes back this far behind the newest line relayed.
+LATE_S = 30
 
 
 def watch(children: dict, start_timeout_s: float) -> None:
@@ -21,7 +25,7 @@ def watch(children: dict, start_timeout_s: float) -> None:
     has not started within `start_timeout_s`, cancels the others and fails the run naming it."""
     from prefect.client.orchestration import get_client
 
-    log, started, seen = get_run_logger(), time.monotonic(), set()
+    log, started, seen = get_run_logger(), time.monotonic(), {}
     with get_client(sync_client=True) as client:
         try:
             while True:
@@ -76,21 +80,25 @@ def node_failure(runs: dict, states: dict, silent: list[str]) -> tuple[str, str]
     return m, f"node {m} failed: {why} (other nodes: {others})"
 
 
-def relay_logs(client, runs: dict, seen: set, log) -> None:
-    """Each node's new log lines, in order, in the parent's log with the node's name in front."""
-    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+def relay_logs(client, runs: dict, seen: dict, log) -> None:
+    """Each node's new log lines, in the parent's log with the node's name in front; `seen`: the lines relayed
+    (id: timestamp). A line that lands late, behind lines already relayed, is relayed when it lands."""
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId, LogFilterTimestamp
     from prefect.client.schemas.sorting import LogSort
 
     by_id = {r.id: m for m, r in runs.items()}
+    since = LogFilterTimestamp(after_=max(seen.values()) - timedelta(seconds=LATE_S)) if seen else None
+    offset = 0
     while True:
-        page = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=list(by_id))), offset=len(seen),
-                                limit=200, sort=LogSort.TIMESTAMP_ASC)
+        page = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=list(by_id)), timestamp=since),
+                                offset=offset, limit=200, sort=LogSort.TIMESTAMP_ASC)
         for line in page:
             if line.id not in seen:
-                seen.add(line.id)
+                seen[line.id] = line.timestamp
                 log.info("[%s] %s", by_id.get(line.flow_run_id, "?"), line.message)
         if len(page) < 200:
             return
+        offset += len(page)
 
 
 def cancel(client, runs: dict) -> list[str]:

@@ -55,9 +55,10 @@ class Placement(BaseModel):
                            description="the Prefect work pool whose queues are the machines (nodes > 1)")
     rdzv_timeout_s: int = Field(300, ge=10, le=86_400, description="fail when not every node arrives (or, "
                                 "placed, starts) in time")
-    max_node_failures: int = Field(0, ge=0, le=100, description="placed runs (nodes > 1) of gpuflow's worker: "
-                                   "machines that may be lost and replaced by a spare of the pool, the run resuming "
-                                   "from its last checkpoint in the same MLflow run; 0: a node lost fails the run")
+    max_node_failures: int = Field(0, ge=0, le=100, description="placed runs (nodes > 1): machines that may "
+                                   "be lost and replaced by a spare of the pool, the run resuming from its last "
+                                   "checkpoint in the same MLflow run (a script: from its own, saved where every "
+                                   "machine reads it); 0: a node lost fails the run")
 
     @model_validator(mode="before")
     @classmethod

@@ -16,9 +16,23 @@ FAST_MODULES = {"test_params", "test_space", "test_policy", "test_devices", "tes
                 "test_doc_commands"}
 
 
+# `make test` runs a module at a time on each of two workers (pytest-xdist, `--dist loadfile
+# --no-loadscope-reorder`): most of a test's time is waiting on servers, rendezvous and deadlines, so one
+# worker keeps about 0.7 of the 2 cores busy. The longest modules go first, so that none starts last.
+LONGEST_FIRST = ["test_nodes", "test_served", "test_stack", "test_scripts", "test_node_failover", "test_sweep",
+                 "test_reliability", "test_user_code", "test_netns_harness", "test_scripts_real", "test_user_facing",
+                 "test_deploy", "test_lifetime", "test_stop", "test_real_models"]
+
+
+def _module(item) -> str:
+    return item.module.__name__.rpartition(".")[2]
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(_module(item), len(rank)))  # stable: a module's own order is kept
     for item in items:
-        if item.module.__name__.rpartition(".")[2] in FAST_MODULES and "prefect_api" not in item.fixturenames:
+        if _module(item) in FAST_MODULES and "prefect_api" not in item.fixturenames:
             item.add_marker(pytest.mark.fast)
     try:
         import torch
@@ -32,6 +46,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _tracking_uri_restored():
+    """MLflow's set_tracking_uri, which a flow run in this process calls, also sets MLFLOW_TRACKING_URI in
+    os.environ for subprocesses to inherit: a later test's `gpuflow run` would then record into that test's
+    store (seen once modules ran on two workers in another order)."""
+    before = os.environ.get("MLFLOW_TRACKING_URI")
+    yield
+    if before is None:
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
+    else:
+        os.environ["MLFLOW_TRACKING_URI"] = before
 
 
 @pytest.fixture(scope="session")

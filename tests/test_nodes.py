@@ -193,16 +193,20 @@ def test_with_nodes_1_2_and_no_spare_the_run_goes_on_on_one_machine_from_its_las
     assert out["model_version"]
 
 
-def test_ctrl_c_while_a_lost_machine_waits_for_its_spare_stops_the_run_and_leaves_nothing(cluster, tmp_path):
-    """The parent waits (up to --rdzv-timeout-s) for a spare to replace a lost machine; a Ctrl-C then
-    ends the command within seconds: the run KILLED, no node's run open, no rank, no rendezvous."""
+# Ctrl-C, and SIGTERM: what a Prefect worker or `gpuflow serve` sends the parent's process when its
+# flow run is cancelled in Prefect (the UI, `prefect flow-run cancel`).
+@pytest.mark.parametrize("stop, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["ctrl-c", "sigterm"])
+def test_stopping_the_parent_while_a_lost_machine_waits_for_its_spare_leaves_nothing(cluster, tmp_path, stop, code):
+    """The parent waits (up to --rdzv-timeout-s) for a spare to replace a lost machine; a Ctrl-C or a
+    SIGTERM then ends the command within seconds: the run KILLED, no node's run open, no rank, no rendezvous."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterFlowRunId
 
     deadline = time.monotonic() + 300  # for the start and the replacement both, as the helper's own
-    proc, client = replaceable_run_training(cluster, tmp_path, "ctrl-c", rdzv_timeout_s=240)
+    name = f"stop-{stop.name.lower()}"
+    proc, client = replaceable_run_training(cluster, tmp_path, name, rdzv_timeout_s=240)
     (run,) = client.search_runs(client.get_experiment_by_name("gpuflow").experiment_id,
-                                "tags.`mlflow.runName` = 'ctrl-c'")
+                                f"tags.`mlflow.runName` = '{name}'")
     parent = run.data.tags["prefect.flow_run_id"]
     kill_ranks(cluster.node("node-b"))
     with cluster.client_settings(), get_client(sync_client=True) as prefect:
@@ -210,10 +214,10 @@ def test_ctrl_c_while_a_lost_machine_waits_for_its_spare_stops_the_run_and_leave
                 LogFilter(flow_run_id=LogFilterFlowRunId(any_=[parent])))):
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-4000:]
             time.sleep(0.5)
-        proc.send_signal(signal.SIGINT)  # the parent now waits for a third machine that never comes
+        proc.send_signal(stop)  # the parent now waits for a third machine that never comes
         stopped = time.monotonic()
-        code, _, err = finished(proc, timeout=120)
-        assert code == 130 and time.monotonic() - stopped < 30, err[-3000:]
+        exit_code, _, err = finished(proc, timeout=120)
+        assert exit_code == code and time.monotonic() - stopped < 30, err[-3000:]
         nodes = [r for r in prefect.read_flow_runs() if r.name.startswith(("node-a-", "node-b-"))
                  and r.name.endswith(str(parent)[:8])]  # this run's node jobs: <machine>-<job id>
         assert nodes and all(r.state.is_final() for r in nodes), [(r.name, r.state.type) for r in nodes]

@@ -242,3 +242,33 @@ def test_a_sweep_skips_busy_cards_as_a_run_does(tmp_path, monkeypatch):
     assert _slots(host, tmp_path, parallel="1", gpus="2,0").take().cards == (2,)  # named cards: the user's choice
     short = _gpu_host(busy=set(), free_mb={0: 100, 1: 100})
     assert _slots(short, tmp_path, parallel="1", min_free_mb=1000).take().cards == (2,)
+
+
+def test_a_node_log_line_that_lands_behind_lines_already_relayed_is_still_relayed(prefect_api):
+    """A node's lines come from two processes (its worker and its flow run), each in batches: one can land
+    with an older timestamp than lines the parent already relayed (CI, 2026-11-26: a node's `launching:` line
+    was missing from the parent's log)."""
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import LogCreate
+
+    from gpuflow.flows import watch
+
+    relayed: list[str] = []
+    log = SimpleNamespace(info=lambda fmt, *args: relayed.append(fmt % args))
+    t0 = datetime.datetime.now(datetime.timezone.utc)
+    with get_client(sync_client=True) as client:
+        run = client.create_flow_run(flow(lambda: None, name="late-lines"))
+
+        def land(*lines: tuple[float, str]) -> None:
+            client.create_logs([LogCreate(name="node", level=20, message=message, flow_run_id=run.id,
+                                          timestamp=t0 + datetime.timedelta(seconds=s)) for s, message in lines])
+
+        seen: dict = {}
+        land((0, "from the flow run"), (2, "from the flow run, later"))
+        watch.relay_logs(client, {"node-a": run}, seen, log)
+        land((1, "from the worker, in between"))
+        watch.relay_logs(client, {"node-a": run}, seen, log)
+        watch.relay_logs(client, {"node-a": run}, seen, log)  # nothing twice
+    assert relayed == ["[node-a] from the flow run", "[node-a] from the flow run, later",
+                       "[node-a] from the worker, in between"]

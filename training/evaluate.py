@@ -246,7 +246,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m gpuflow.training.evaluate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True, nargs="+", help="gpuflow checkpoint files: several are "
-                   "evaluated in turn (one report each, in a list)")
+                   "evaluated in turn (a list of reports, one each)")
     p.add_argument("--result", required=True, help="where to write the JSON report")
     p.add_argument("--inputs", help="predict for the tensors in this file instead of evaluating")
     p.add_argument("--split", choices=["val", "all"], default="val")
@@ -265,7 +265,7 @@ def main(argv=None) -> int:
         if sys.stderr.isatty():
             print(f"error: {e}", file=sys.stderr)
         return 2
-    write_json_atomic(a.result, res if len(res) > 1 else res[0])
+    write_json_atomic(a.result, res)
     return 0
 
 

@@ -88,10 +88,11 @@ def checkpoint_of(client, name: str, version: str, dest: Path) -> Path:
     return Path(client.download_artifacts(run_id, sorted(files)[-1], str(dest)))
 
 
-def run_on_device(checkpoints: list[Path], plan: DevicePlan, log, *args: str, hold_fds: tuple[int, ...] = ()):
+def run_on_device(checkpoints: list[Path], plan: DevicePlan, log, *args: str,
+                  hold_fds: tuple[int, ...] = ()) -> list[dict]:
     """Run gpuflow.training.evaluate on `checkpoints`, one after the other, in one child that sees only the plan's
-    device; its JSON report (a list of them for several). The caller holds card_locks(plan); the child holds
-    `hold_fds`, their descriptors, too."""
+    device; its JSON reports, one per checkpoint. The caller holds card_locks(plan); the child holds `hold_fds`,
+    their descriptors, too."""
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "result.json"
         cmd = [sys.executable, "-m", "gpuflow.training.evaluate", "--checkpoint", *map(str, checkpoints),
@@ -115,7 +116,7 @@ def evaluate_checkpoint(checkpoint: Path, plan: DevicePlan, split: str = "val", 
                         data_root: str | None = None, hold_fds: tuple[int, ...] = ()) -> dict:
     """Loss and accuracy of a checkpoint on a dataset split, on the plan's one device (see run_on_device)."""
     return run_on_device([checkpoint], plan, get_run_logger(), "--split", split, *_data_args(dataset, data_root),
-                         hold_fds=hold_fds)
+                         hold_fds=hold_fds)[0]
 
 
 @task(name="evaluate-versions", cache_policy=NO_CACHE)
@@ -126,7 +127,6 @@ def evaluate_versions(client, name: str, versions: list[str], plan: DevicePlan, 
     with tempfile.TemporaryDirectory() as d:
         cks = [checkpoint_of(client, name, v, Path(d) / f"v{v}") for v in versions]
         reports = run_on_device(cks, plan, get_run_logger(), *_data_args(dataset, data_root), hold_fds=hold_fds)
-    reports = reports if len(versions) > 1 else [reports]
     return [r | {"version": v} for r, v in zip(reports, versions)]
 
 
