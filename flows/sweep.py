@@ -160,7 +160,7 @@ def start_trial(kept: Kept, space: dict[str, Distribution], slot: Slot) -> Trial
     kept.beat(trial.number)
     trial.set_user_attr("owner", orphans.owner_tags())  # this process: a restart fails its trial if it is gone
     trial.set_user_attr("slot", slot.label)
-    return Trial(trial, slot, {n: d.suggest(trial, n) for n, d in space.items()})
+    return Trial(trial, slot, {n: d.suggest(trial, n) for n, d in space.items()}, pruning=kept.pruning)
 
 
 def tell(study, t: Trial, fut: Future, log):

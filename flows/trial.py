@@ -117,6 +117,8 @@ class Trial:
     slot: Slot
     values: dict
     stop: threading.Event = field(default_factory=threading.Event)
+    pruning: Any = None  # study.Pruning: whether its values so far are pruned
+    reported: dict[int, float] = field(default_factory=dict)  # step: the optimized metric, as reported
     pruned_at: int | None = None
     missing: list[str] | None = None
     run_id: str | None = None
@@ -139,7 +141,8 @@ def reporter(t: Trial, params: SweepParams, metric: str):
             t.stop.set()
             return
         t.trial.report(metrics[metric], step)
-        if params.pruner != "none" and t.trial.should_prune():
+        t.reported[step] = metrics[metric]
+        if params.pruner != "none" and t.pruning.says(t.trial.number, t.reported):
             t.pruned_at = step
             t.stop.set()
 

@@ -48,17 +48,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+SESSION_TRACKING_URI = os.environ.get("MLFLOW_TRACKING_URI")
+
+
 @pytest.fixture(autouse=True)
 def _tracking_uri_restored():
-    """MLflow's set_tracking_uri, which a flow run in this process calls, also sets MLFLOW_TRACKING_URI in
-    os.environ for subprocesses to inherit: a later test's `gpuflow run` would then record into that test's
-    store (seen once modules ran on two workers in another order)."""
-    before = os.environ.get("MLFLOW_TRACKING_URI")
+    """MLflow's set_tracking_uri, which a flow run in this process calls (in a test or a module's fixture), also
+    sets MLFLOW_TRACKING_URI in os.environ for subprocesses to inherit: a later module's `gpuflow run` would record
+    into that test's store (seen once modules ran on two workers in another order). After each test it is what it
+    was when the session began."""
     yield
-    if before is None:
+    if SESSION_TRACKING_URI is None:
         os.environ.pop("MLFLOW_TRACKING_URI", None)
     else:
-        os.environ["MLFLOW_TRACKING_URI"] = before
+        os.environ["MLFLOW_TRACKING_URI"] = SESSION_TRACKING_URI
 
 
 @pytest.fixture(scope="session")

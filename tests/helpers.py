@@ -24,8 +24,11 @@ def user_project(dest: Path) -> Path:
 
 
 def child_env(**extra: str) -> dict:
+    """This process's environment for a child, without the MLflow run or store a flow run in this process left
+    there (mlflow.set_tracking_uri sets MLFLOW_TRACKING_URI): name the store in `extra`."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.pop("MLFLOW_RUN_ID", None)
+    env.pop("MLFLOW_TRACKING_URI", None)
     env.update(extra)
     return env
 

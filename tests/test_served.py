@@ -95,6 +95,9 @@ def test_served_ddp_deployment_runs_from_the_cli_and_logs_to_mlflow(served):
     assert client.search_model_versions(f"run_id='{runs[0].info.run_id}'")
 
 
+WATCH_LOST = "the events or logs stream closed unexpectedly"
+
+
 def _flow_run_id(stdout: str) -> str:
     return next(line.split()[-1] for line in stdout.splitlines() if "UUID" in line)
 
@@ -141,6 +144,9 @@ def test_a_served_run_names_only_the_packages_and_folders_the_operator_allowed(s
         state = flow_run["state"]
         assert state["type"] == "FAILED" and message in state["message"], (bad, state)
         # the caller watching sees the reason in one line, not Prefect's traceback; so does the serve terminal
+        if WATCH_LOST in stdout:  # Prefect's --watch gave up on its own websocket (PrefectHQ/prefect#22549), seen
+            # once in ~15 runs of 7 watches at once: the caller reads the run's logs, which --watch streams
+            stdout = _prefect(["flow-run", "logs", flow_run["id"]], dict(env, COLUMNS="1000")).stdout
         assert message in stdout and "Traceback" not in stdout, stdout[-3000:]
         deadline = time.monotonic() + 10  # the serve process relays the run's output as it comes
         named = f"Flow run '{flow_run['name']}' - "

@@ -99,3 +99,33 @@ def test_a_file_over_the_size_bound_is_refused_with_its_size_even_when_it_is_a_v
 ])
 def test_a_file_no_parser_can_read_is_refused_in_one_line(tmp_path, text, says):
     assert says in _refusal(_write(tmp_path, text))
+
+
+@pytest.mark.parametrize("direction", ["minimize", "maximize"])
+def test_the_sweeps_pruning_decides_as_optunas_should_prune_on_the_same_study(direction):
+    """flows/study.py Pruning asks the study's own pruner (median) about the values as reported, against a
+    copy of the completed trials: at every step, for trials better and worse than the median, it says what
+    `trial.should_prune()` says."""
+    import optuna
+
+    from gpuflow.flows.study import Pruning
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(direction=direction,
+                                pruner=optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=0))
+    for k in range(3):  # completed trials, one curve each
+        done = study.ask()
+        for step in range(1, 11):
+            done.report(k + 1.0 / step, step)
+        study.tell(done, k)
+    pruning, decided = Pruning(study), []
+    for offset in (-1.0, 1.05, 1.2, 5.0):  # below, around and above the completed curves
+        trial, values = study.ask(), {}
+        for step in range(1, 11):
+            value = offset + (0.3 if step % 3 == 0 else 1.0) / step  # not monotone: the best so far counts
+            trial.report(value, step)
+            values[step] = value
+            decided.append((pruning.says(trial.number, values), trial.should_prune()))
+        study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+    assert [ours for ours, _ in decided] == [theirs for _, theirs in decided]
+    assert {ours for ours, _ in decided} == {True, False}  # both answers came up
