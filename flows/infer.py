@@ -61,7 +61,7 @@ def predict(params: InferParams) -> dict | None:
     with on_one_device(params.gpus, read_environment, slot=False) as (plan, fds), tempfile.TemporaryDirectory() as d:
         ck, version = model_checkpoint(params, Path(d))
         (out,) = run_on_device([ck], plan, logging.getLogger("gpuflow.infer"), "--inputs",
-                            str(Path(params.inputs).resolve()), hold_fds=fds)
+                               str(Path(params.inputs).resolve()), hold_fds=fds)
     out |= {"registered_model": params.registered_model, "version": version, "physical_gpu": plan.primary}
     if params.output:
         Path(params.output).write_text(json.dumps(out, indent=2))
