@@ -9,8 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import mlflow
-
+from gpuflow.tasks.tracking.store import open_store  # under gpuflow's lock: a run may be creating the file
 from tests.helpers import child_env
 
 RUNS = 3
@@ -39,7 +38,7 @@ def start_run(folder: Path, name: str, env: dict) -> subprocess.Popen:
 
 
 def run_states(folder: Path) -> dict[str, str]:
-    client = mlflow.MlflowClient(f"sqlite:///{folder / 'mlflow.db'}")
+    client = open_store(f"sqlite:///{folder / 'mlflow.db'}")
     runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
     return {r.info.run_name: r.info.status for r in runs}
 

@@ -14,10 +14,10 @@ import time
 import urllib.request
 from pathlib import Path
 
-import mlflow
 import psutil
 import pytest
 
+from gpuflow.tasks.tracking.store import open_store  # under gpuflow's lock: a run may be creating the file
 from gpuflow.tasks.tracking import orphans
 from tests.servers import free_port
 from tests.test_user_code import api_url  # noqa: F401  (the session's Prefect server)
@@ -82,7 +82,7 @@ def wait_for_ranks(proc: subprocess.Popen, folder: Path, name: str) -> None:
 
 
 def the_run(folder: Path):
-    c = mlflow.MlflowClient(f"sqlite:///{folder / 'mlflow.db'}")
+    c = open_store(f"sqlite:///{folder / 'mlflow.db'}")
     (run,) = c.search_runs([c.get_experiment_by_name("gpuflow").experiment_id])
     return c, run
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import time
 
-import mlflow
 import pytest
 
+from gpuflow.tasks.tracking.store import open_store  # under gpuflow's lock: a run may be creating the file
 from tests.netns import two_nodes
 from tests.test_nodes import finished, gpuflow, kill_ranks
 
@@ -71,7 +71,7 @@ def test_a_script_that_resumes_itself_survives_a_lost_machine_in_the_same_mlflow
     proc = gpuflow(cluster, tmp_path, "--script", str(tmp_path / "resuming.py"), "--gpus", "cpu",
                    "--cpu-processes", "1", "--nodes", "2", "--max-node-failures", "1", "--node-pool", cluster.pool,
                    "--run-name", "script-failover", "--", str(tmp_path / "snapshot.pt"))
-    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    client = open_store(f"sqlite:///{tmp_path / 'mlflow.db'}")
     deadline = time.monotonic() + 300
 
     def logged() -> list[int]:
@@ -97,7 +97,7 @@ def test_a_script_that_resumes_itself_survives_a_lost_machine_in_the_same_mlflow
 def test_a_lost_machine_is_replaced_by_the_spare_and_the_run_resumes_in_the_same_mlflow_run(cluster, tmp_path, lose):
     name = "failover-" + lose.split()[-1]
     proc = gpuflow(cluster, tmp_path, *JOB, "--node-pool", cluster.pool, "--run-name", name)
-    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    client = open_store(f"sqlite:///{tmp_path / 'mlflow.db'}")
     deadline = time.monotonic() + 300
     while not _epochs(client, name):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-4000:]
@@ -129,6 +129,6 @@ def test_a_failure_every_machine_would_repeat_is_not_retried_on_a_spare(cluster,
     last = err.strip().splitlines()[-1]
     assert code == 1 and "precision 'fp16' needs CUDA" in last, err[-3000:]
     assert "not replacing node-" in err and "replacing it (1 of 1)" not in err, err[-3000:]
-    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    client = open_store(f"sqlite:///{tmp_path / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("gpuflow").experiment_id])
     assert run.info.status == "FAILED" and "node_replacements" not in run.data.metrics

@@ -13,10 +13,10 @@ import sys
 import time
 from pathlib import Path
 
-import mlflow
 import pytest
 import torch
 
+from gpuflow.tasks.tracking.store import open_store  # under gpuflow's lock: a run may be creating the file
 from tests.netns import two_nodes
 
 pytestmark = pytest.mark.slow
@@ -68,7 +68,7 @@ def test_a_run_placed_on_two_nodes_trains_as_one_node_with_two_processes(cluster
     assert {ep.rpartition(":")[0] for ep, _ in launches.values()} == {net["node-a"]}  # node 0 hosts the store
 
     # one MLflow run, owned by the parent, with both nodes' environments and rank 0's results
-    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    client = open_store(f"sqlite:///{tmp_path / 'mlflow.db'}")
     run = client.get_run(placed["run_id"])
     assert run.info.status == "FINISHED" and run.data.tags["nodes"] == "2"
     assert run.data.tags["machines"] == "node-a,node-b" and run.data.params["world_size"] == "2"
@@ -107,7 +107,7 @@ def test_an_unchanged_torchrun_script_runs_on_two_nodes_in_one_run(cluster, tmp_
     assert out["world_size"] == 2 and out["outputs"] == ["model.pt"] and out["checkpoint"]
     masters = set(re.findall(r"rank \d of 2, master (\S+)", err))
     assert len(masters) == 1 and masters <= {n.addr for n in cluster.nodes}, err[-3000:]  # rank 0's node
-    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    client = open_store(f"sqlite:///{tmp_path / 'mlflow.db'}")
     run = client.get_run(out["run_id"])
     assert run.info.status == "FINISHED" and run.data.params["gpuflow.world_size"] == "2"
     assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [1, 2, 3]
@@ -133,7 +133,7 @@ def test_a_machine_whose_worker_is_gone_fails_the_run_by_its_start_deadline(clus
     assert time.monotonic() - start < 120
     with cluster.client_settings(), get_client(sync_client=True) as client:
         client.delete_work_queue_by_id(client.read_work_queue_by_name("node-c", work_pool_name=cluster.pool).id)
-    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    client = open_store(f"sqlite:///{tmp_path / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("gpuflow").experiment_id])
     assert run.info.status == "FAILED"
     deadline = time.monotonic() + 60  # the two live nodes were cancelled: nothing of theirs trains on
@@ -149,7 +149,7 @@ def replaceable_run_training(cluster, tmp_path: Path, name: str, rdzv_timeout_s:
     proc = gpuflow(cluster, tmp_path, "--gpus", "cpu", "--cpu-processes", "1", "--nodes", nodes,
                    "--max-node-failures", "1", "--rdzv-timeout-s", str(rdzv_timeout_s), "--node-pool", cluster.pool,
                    "--dataset", "synthetic", "--synthetic-size", "20000", "--epochs", str(epochs), "--run-name", name)
-    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    client = open_store(f"sqlite:///{tmp_path / 'mlflow.db'}")
     deadline = time.monotonic() + 300
     while not _training(client, name):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-4000:]
@@ -249,7 +249,7 @@ def test_a_node_killed_mid_run_fails_the_run_and_the_other_node_stops(cluster, t
     proc = gpuflow(cluster, tmp_path, "--gpus", "cpu", "--cpu-processes", "1", "--nodes", "2",
                    "--node-pool", cluster.pool, "--dataset", "synthetic", "--synthetic-size", "20000",
                    "--epochs", "50", "--run-name", "to-kill")
-    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    client = open_store(f"sqlite:///{tmp_path / 'mlflow.db'}")
     deadline = time.monotonic() + 300
     while not _training(client):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-4000:]

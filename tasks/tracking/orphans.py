@@ -9,7 +9,7 @@ import socket
 
 from mlflow.tracking import MlflowClient
 
-from .store import FLOW_RUN_TAG, default_tracking_uri, end_run
+from .store import FLOW_RUN_TAG, default_tracking_uri, end_run, open_store
 
 OWNER_HOST, OWNER_PID, OWNER_STARTED = "gpuflow.owner.host", "gpuflow.owner.pid", "gpuflow.owner.started"
 
@@ -70,7 +70,7 @@ def end_flow_run_mlflow_runs(flow, flow_run, state) -> None:
 
     Prefect's runner calls it in its own process, where the flow's `finally` never ran."""
     uri = hooked_store((flow_run.parameters or {}).get("tracking_uri"))
-    client = MlflowClient(uri)
+    client = open_store(uri)  # under the lock: a run starting beside it may be creating the file
     ids = [e.experiment_id for e in client.search_experiments()]
     if not ids:
         return

@@ -36,11 +36,18 @@ def require_store(uri: str) -> None:
 
 
 def prepare_store(uri: str) -> MlflowClient:
-    """Point MLflow at `uri`; for SQLite create the schema and switch it to WAL once."""
+    """Point MLflow at `uri` and open it (`open_store`)."""
     import mlflow
-    from mlflow.tracking import MlflowClient
 
     mlflow.set_tracking_uri(uri)
+    return open_store(uri)
+
+
+def open_store(uri: str) -> MlflowClient:
+    """A client on `uri`; a SQLite store's schema is created and switched to WAL once, under a lock that every process
+    opening it this way takes: two processes migrating a new file at once collide ('table ... already exists')."""
+    from mlflow.tracking import MlflowClient
+
     if (db_path := sqlite_path(uri)) is None:
         return MlflowClient(uri)
     db_path.parent.mkdir(parents=True, exist_ok=True)
