@@ -17,6 +17,7 @@ import annotated_types
 from pydantic import BaseModel, ValidationError
 
 from gpuflow.tasks.failure import TrainingFailed
+from gpuflow.training.config import Exists
 from gpuflow.training.errors import UserError
 
 SHOWN = 300  # characters of a value echoed in a refusal
@@ -45,11 +46,21 @@ def one_line(e: BaseException) -> str:
 
 
 def validated(model: type[BaseModel], values: dict) -> BaseModel:
-    """`model(**values)`, or InvalidParameters with the one line the CLI prints."""
+    """`model(**values)`, whose validators read no file; then each file a field marks `Exists` is there, and the
+    model's `check_contents` reads them. Else InvalidParameters (or the check's UserError) in the one line the CLI
+    prints. The CLI calls it before any server starts, a flow at its entry."""
     try:
-        return model(**values)
+        params = model(**values)
     except ValidationError as e:
         raise InvalidParameters(one_line(e)) from None
+    for name, field in model.model_fields.items():
+        given = values.get(name, getattr(params, name))
+        for mark in (m for m in field.metadata if isinstance(m, Exists)):
+            if isinstance(value := getattr(params, name), str) and (why := mark.refusal(value, given)):
+                raise InvalidParameters(f"{name}={cut(repr(given), SHOWN // 2)}: {cut(why)}")
+    if hasattr(params, "check_contents"):
+        params.check_contents()
+    return params
 
 
 def quiet_libraries() -> None:

@@ -34,7 +34,7 @@ from gpuflow.training.lifetime import exit_on_sigterm
 from gpuflow.training.refs import check_references
 
 from .api import STARTUP_TIMEOUT_DEFAULT_S, STARTUP_TIMEOUT_ENV, prefect_api, server_environment
-from .calls import one_line, quiet_libraries, report_user_errors_once, validated_once
+from .calls import one_line, quiet_libraries, report_user_errors_once, validated, validated_once
 from .options import add_model, rest_field
 
 from .params import EvaluateParams, InferParams, PipelineParams, ScriptParams, SweepParams
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
             report = read_environment()
             print(report.model_dump_json(indent=2)) if values["json"] else print_report(report)
             return 0
-        checked = model(**values)  # refuse bad values before Prefect or torch start
+        checked = validated(model, values)  # refuse bad values and missing files before Prefect or torch start
         if command in ("run", "sweep") and getattr(checked, "nodes", 1) <= 1:  # placed: each node checks its own
             from gpuflow.tasks.devices.assign import check_host
 

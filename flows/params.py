@@ -14,9 +14,9 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 
 from gpuflow.tasks.devices.assign import DevicePlan, Devices, explicit_ids, one_device
 from gpuflow.tasks.data import DatasetInfo
-from gpuflow.tasks.launch import Launch, Nodes, Placement, ScriptArgs, ScriptFile
+from gpuflow.tasks.launch import SCRIPT, Launch, Nodes, Placement, ScriptArgs, ScriptFile
 from gpuflow.tasks.scriptout import Collect
-from gpuflow.training.config import TrainConfig, Training
+from gpuflow.training.config import Exists, TrainConfig, Training, absolute
 from gpuflow.training.contract import RunFolder
 from gpuflow.training.errors import UserError
 from gpuflow.training.policy import check_not_tracking_store
@@ -70,21 +70,14 @@ def check_one_device(v: str) -> str:
         raise ValueError(str(e)) from None
 
 
-def check_file(v: str | None) -> str | None:
-    """A file the command reads, made absolute (the evaluation child runs elsewhere)."""
-    if v is None:
-        return v
-    path = Path(v).expanduser().resolve()
-    if not path.is_file():
-        raise ValueError(f"no such file ({path}); check the path")
-    return str(path)
+NO_SUCH_FILE = Exists("no such file ({path}); check the path")
 
 
 Version = Annotated[str | int, AfterValidator(check_version),
                     Field(description="a registered version number, or 'champion'")]
 OneDevice = Annotated[str, AfterValidator(check_one_device),
                       Field(description="the one device: auto, cpu, 1 (the freest GPU), or a physical id like 3,")]
-InputFile = Annotated[str | None, AfterValidator(check_file)]
+InputFile = Annotated[str | None, AfterValidator(lambda v: v and absolute(v)), NO_SUCH_FILE]
 
 class Tracking(BaseModel):
     """The tracking part of a flow's parameters: where and under which names a run is recorded, not
@@ -194,13 +187,13 @@ def check_parallel(v: str | int) -> str:
 class Sweep(BaseModel):
     """The sweep part of its flow's parameters: what is searched, how, and where it is kept."""
 
-    script: ScriptFile | None = Field(None, description="your torchrun script: each trial runs it with its "
+    script: Annotated[ScriptFile | None, SCRIPT] = Field(None, description="your torchrun script: each trial runs it with its "
                                       "values as arguments (see script_args); the training options (model, "
                                       "dataset, lr, ...) are then not used")
     script_args: ScriptArgs = []
     collect: Collect = []
 
-    space: Annotated[str, AfterValidator(check_file)] = Field(
+    space: Annotated[str, AfterValidator(absolute), NO_SUCH_FILE] = Field(
         description="YAML file: parameter (or model_args.<key>) -> {type: float|int|choice, low, high, log, "
         "step, values}")
     trials: int = Field(20, ge=1, le=100_000, description="trials to finish (a resumed sweep counts its earlier ones)")
@@ -223,21 +216,16 @@ class SweepParams(Sweep, RetrainParams):
     """The sweep flow: a search over a run's parameters, each trial a run."""
 
     @model_validator(mode="after")
-    def _space_and_cards(self):
-        """The space and the trials' cards, checked before a server starts or a trial runs."""
+    def _trials_and_cards(self):
+        """What the trials run and on which cards, checked before a server starts or a trial runs."""
         if self.nodes > 1 or self.nnodes > 1:
             raise ValueError("a sweep's trials each run on this machine; drop nodes/nnodes")
-        if self.storage:
-            check_not_tracking_store(self.storage, self.tracking_uri)
         if self.script:
-            check_script_space(read_space(self.space), self.script_args, self.space)
             if self.optimize == "auto":
                 raise SweepError("a script's sweep needs optimize=<the metric your script logs>, e.g. "
                                  "--optimize val_accuracy (with helper.report or mlflow.log_metric)")
             ScriptParams.model_validate(self.script_params({}))
         else:
-            check_space(read_space(self.space), self.pipeline(), self.space, PipelineParams.model_validate,
-                        PipelineParams.model_fields)
             check_metric(self.objective, self.optimize)
         named = explicit_ids(self.gpus)
         if named and self.parallel != "auto" and int(self.parallel) * self.gpus_per_trial > len(named):
@@ -245,6 +233,17 @@ class SweepParams(Sweep, RetrainParams):
                              f"{int(self.parallel) * self.gpus_per_trial} cards but gpus={self.gpus} names "
                              f"{len(named)}; lower parallel or name more cards")
         return self
+
+    def check_contents(self) -> None:
+        """What is checked by reading the files the fields name (flows/calls.py `validated`, once they are there):
+        the space file, and the study's storage not the tracking store's own file."""
+        if self.storage:
+            check_not_tracking_store(self.storage, self.tracking_uri)
+        if self.script:
+            check_script_space(read_space(self.space), self.script_args, self.space)
+        else:
+            check_space(read_space(self.space), self.pipeline(), self.space, PipelineParams.model_validate,
+                        PipelineParams.model_fields)
 
     def script_params(self, values: dict) -> dict:
         """A script trial's parameters: the run's, with the trial's values in the script's arguments."""
@@ -268,7 +267,7 @@ class EvaluateParams(BaseModel):
 class InferParams(BaseModel):
     """Predictions of a registered version (or a checkpoint file) for a file of inputs, on one device."""
 
-    inputs: Annotated[str, AfterValidator(check_file)] = Field(
+    inputs: Annotated[str, AfterValidator(absolute), NO_SUCH_FILE] = Field(
         description="N samples: a .pt file holding {'inputs': tensor or {name: tensor}}, a .npy array, "
         "or a .npz of named arrays")
     registered_model: RegisteredModel = "gpuflow-model"

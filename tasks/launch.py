@@ -18,7 +18,7 @@ from prefect.cache_policies import NO_CACHE
 from pydantic import AfterValidator, BaseModel, Field, model_validator
 
 from gpuflow.training.compat import FRESH_RDZV_STORE
-from gpuflow.training.config import DistTimeout
+from gpuflow.training.config import DistTimeout, Exists, absolute
 from gpuflow.training.errors import UserError
 from gpuflow.training.contract import (CARD_LOCKS_ENV, CARD_OWNER_ENV, DIST_TIMEOUT_ENV, LAUNCH_ATTEMPT_ENV,
                                        METRICS_FILE_ENV, OUTPUT_DIR_ENV, PROCESS_GROUP_FILE_ENV, RunFolder)
@@ -107,18 +107,15 @@ class Nodes(Placement):
 
 
 def check_script(v: str) -> str:
-    path = Path(v).expanduser().resolve()
-    if path.is_dir():
-        raise ValueError(f"{path} is a directory; give the path of your training script in it, e.g. "
-                         f"{Path(v) / 'train.py'}")
-    if not path.is_file():
-        raise ValueError(f"no such file ({path}); give the path of your training script, e.g. train_ddp.py")
-    if path.suffix != ".py":
+    path = Path(absolute(v))
+    if path.suffix not in ("", ".py"):  # none: a folder, refused as one when the job is entered
         raise ValueError(f"{path.name} is not a Python file; torchrun runs a .py script")
     return str(path)
 
 
-ScriptFile = Annotated[str, AfterValidator(check_script)]
+SCRIPT = Exists("no such file ({path}); give the path of your training script, e.g. train_ddp.py",
+                folder="{path} is a directory; give the path of your training script in it, e.g. {path}/train.py")
+ScriptFile = Annotated[str, AfterValidator(check_script), SCRIPT]
 ScriptArgs = Annotated[list[str], Field(
     description="the script's own arguments (on the command line: everything after --); in a sweep, {name} "
     "in them is replaced by the trial's value of name, and a name without a placeholder is appended as "

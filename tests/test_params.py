@@ -151,3 +151,37 @@ def test_a_prefect_flow_run_receives_the_callers_validated_parameters(prefect_ap
     with calls.validated_once(checked):
         assert probe_flow(version=2) is True
     assert probe_flow(version=2) is False  # no caller's values: validated by the flow itself
+
+
+def _marked(model) -> list[str]:
+    from gpuflow.training.config import Exists
+
+    return [name for name, f in model.model_fields.items() if any(isinstance(m, Exists) for m in f.metadata)]
+
+
+def test_validation_reads_no_file_and_the_entry_check_names_each_missing_one(tmp_path, monkeypatch):
+    """Parameters are pure: a path that is not (yet) there validates, made absolute; `validated` (the CLI's
+    check before any server, a flow's entry) then refuses it in one line naming the value as typed."""
+    from gpuflow.flows.calls import InvalidParameters, validated
+    from gpuflow.flows.params import InferParams, ScriptParams, SweepParams
+
+    monkeypatch.chdir(tmp_path)
+    assert _marked(PipelineParams) == ["resume"] and _marked(ScriptParams) == ["script"]
+    assert _marked(SweepParams) == ["resume", "script", "space"] and _marked(InferParams) == ["inputs", "checkpoint"]
+    cases = [(PipelineParams, {"resume": "gone.pt"}, "resume='gone.pt': checkpoint '{tmp}/gone.pt' does not exist"),
+             (ScriptParams, {"script": "train.py"}, "script='train.py': no such file ({tmp}/train.py)"),
+             (ScriptParams, {"script": "code"}, "script='code': {tmp}/code is a directory; give the path of your "
+                                               "training script in it, e.g. {tmp}/code/train.py"),
+             (SweepParams, {"space": "s.yaml"}, "space='s.yaml': no such file ({tmp}/s.yaml); check the path"),
+             (InferParams, {"inputs": "x" * 5000}, "inputs='" + "x" * 75)]
+    (tmp_path / "code").mkdir()
+    for model, values, says in cases:
+        params = model(**values)  # no file is read
+        field, = values
+        assert getattr(params, field) == str(tmp_path.resolve() / values[field])
+        with pytest.raises(InvalidParameters) as e:
+            validated(model, values)
+        assert str(e.value).startswith(says.format(tmp=tmp_path.resolve())) and "\n" not in str(e.value)
+    (tmp_path / "gone.pt").write_bytes(b"")
+    assert validated(PipelineParams, {"resume": "gone.pt"}).resume == str(tmp_path.resolve() / "gone.pt")
+    assert validated(PipelineParams, {"resume": "never"}).resume == "never"

@@ -4,6 +4,7 @@ every checkpoint."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -23,6 +24,34 @@ Precision = Literal["fp32", "bf16", "fp16"]
 # the device plan decides it (tasks/devices/assign.py); the worker's config and device pick assert it
 FP16_NEEDS_CUDA = "precision 'fp16' needs CUDA and this run is on CPU; use 'bf16' or 'fp32'"
 Strategy = Literal["single", "dp", "ddp"]
+
+
+@dataclass(frozen=True)
+class Exists:
+    """A path field's mark: it must name a file when the job is entered. Validation reads no file (it only makes
+    the path absolute); flows/calls.py `validated` checks every marked field. The refusals take {path} (absolute)
+    and {given} (as typed); `unless` are values that are not paths."""
+
+    missing: str
+    folder: str | None = None
+    unless: tuple[str, ...] = ()
+
+    def refusal(self, path: str, given: Any) -> str | None:
+        """Why `path` cannot be read as this field's file; None when it can."""
+        if path in self.unless:
+            return None
+        try:
+            if Path(path).is_file():
+                return None
+            folder = self.folder and Path(path).is_dir()
+        except OSError:  # a name too long for the filesystem, say
+            folder = False
+        return (self.folder if folder else self.missing).format(path=path, given=given)
+
+
+def absolute(v: str) -> str:
+    """A path as meant where the user typed it (workers and children run elsewhere)."""
+    return str(Path(v).expanduser().resolve())
 
 
 MAX_SEED = 2**32 - 1  # NumPy's seeds are 32-bit
@@ -81,7 +110,8 @@ class Training(BaseModel):
     deterministic: bool = Field(False, description="cudnn.deterministic + deterministic algorithms")
     cudnn_benchmark: bool = Field(False, description="let cuDNN pick the fastest kernels (off with deterministic)")
     num_workers: int = Field(0, ge=0, le=256, description="DataLoader worker processes")
-    resume: str = Field(
+    resume: Annotated[str, Exists("checkpoint '{path}' does not exist; check the resume path (or use auto or never)",
+                                  unless=("auto", "never"))] = Field(
         "auto", validate_default=True,
         description="auto: continue from the latest checkpoint in checkpoint_dir; "
         "never: start fresh; or a checkpoint file path",
@@ -120,13 +150,7 @@ class Training(BaseModel):
     @field_validator("data_root", "resume")
     @classmethod
     def _absolute(cls, v: str, info) -> str:
-        """Absolute, as meant where the user typed them (workers run elsewhere); a missing resume file is refused."""
-        if v in ("auto", "never"):
-            return v
-        path = Path(v).expanduser().resolve()
-        if info.field_name == "resume" and not path.is_file():
-            raise ValueError(f"checkpoint {str(path)!r} does not exist; check the resume path (or use auto or never)")
-        return str(path)
+        return v if v in ("auto", "never") else absolute(v)
 
     @model_validator(mode="after")
     def _args_for_own_model(self) -> "Training":
