@@ -1,83 +1,111 @@
-"""Every parameter of gpuflow's flows, declared once (type, default, bounds, help) in parts beside the code that
-reads them; the flows' signatures, the CLI options and the validation derive from these models. Parameters are
-flat on purpose: `-p epochs=3` and `--epochs 3` name fields directly.
+"""Every parameter of gpuflow's flows, declared once (type, default, bounds, help) in one tree: the parts below,
+composed into each flow's model (the worker's own fields are `training/config.py Training`, which the worker
+validates too). Their field types and pure checks are flows/fields.py. The flows' signatures, the CLI options, the
+Prefect form and the deployments derive from these models. Parameters are flat on purpose: `-p epochs=3` and
+`--epochs 3` name fields directly.
 """
 
 from __future__ import annotations
 
-import os
-import re
 from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from gpuflow.tasks.devices.assign import DevicePlan, Devices, explicit_ids, one_device
+from gpuflow.tasks.devices.assign import GPUS_HELP, DevicePlan, explicit_ids, parse_gpus
 from gpuflow.tasks.data import DatasetInfo
-from gpuflow.tasks.launch import SCRIPT, Launch, Nodes, Placement, ScriptArgs, ScriptFile
-from gpuflow.tasks.scriptout import Collect
-from gpuflow.training.config import Exists, TrainConfig, Training, absolute
+from gpuflow.training.config import DistTimeout, TrainConfig, Training, absolute
 from gpuflow.training.contract import RunFolder
-from gpuflow.training.errors import UserError
 from gpuflow.training.policy import check_not_tracking_store
 
+from .fields import (NO_SUCH_FILE, SCRIPT, Collect, InputFile, Name, OneDevice, RegisteredModel, ScriptArgs,
+                     ScriptFile, TrackingUri, Version, check_endpoint, check_parallel)
 from .space import SweepError, check_metric, check_script_space, check_space, read_space, script_arguments
 
-NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9 ._-]{0,99}")
-URI_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql", "http", "https", "file", "databricks")
+
+class Devices(BaseModel):
+    """Which cards, and how they are shared."""
+
+    strategy: Literal["auto", "single", "dp", "ddp"] = Field(
+        "auto", description="auto: ddp for several devices (gloo on CPU), single for one")
+    gpus: Annotated[str, AfterValidator(parse_gpus), Field(description=GPUS_HELP)] = "auto"
+    backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="DDP backend; auto: nccl on GPUs, gloo on CPU")
+    min_free_mb: int = Field(0, ge=0, le=10_000_000, description="refuse/skip GPUs with less free memory")
+    skip_busy: bool = Field(True, description="skip GPUs already running other processes")
+    cpu_processes: int = Field(0, ge=0, description="DDP processes on a CPU-only host (0 = auto; "
+                               "at most the host's CPU count)")
 
 
-def check_name(v: str) -> str:
-    """Names become folders, registry queries and UI links: a safe alphabet only."""
-    if not NAME.fullmatch(v) or ".." in v:
-        raise ValueError("not a usable name: use up to 100 letters, digits, spaces, '.', '_' "
-                         "or '-', starting with a letter or digit (no '/', quotes or '..')")
-    return v
+class Torchrun(BaseModel):
+    """How torchrun starts and restarts the ranks."""
+
+    max_restarts: int = Field(1, ge=0, le=100, description="torchrun elastic restarts after a worker dies")
+    dist_timeout_s: DistTimeout = 300.0
 
 
-def check_tracking_uri(v: str | None) -> str:
-    """The store's URI; unset, resolved once here for the whole run (MLFLOW_TRACKING_URI, else ./mlflow.db)."""
-    if v is None:
-        from gpuflow.tasks.tracking.store import default_tracking_uri
+class Machines(BaseModel):
+    """The machines of a job: one by default; several placed by the flow on the node pool's machines."""
 
-        return default_tracking_uri()
-    scheme = v.split(":", 1)[0].split("+", 1)[0] if ":" in v else ""
-    if scheme not in URI_SCHEMES:
-        hint = f"sqlite:///{os.path.abspath(v)}" if v.endswith(".db") else "sqlite:///<path>/mlflow.db"
-        raise ValueError(f"not an MLflow tracking URI; use e.g. {hint}, "
-                         "postgresql://user@host/db or http://host:5000")
-    return v
+    nodes: int = Field(1, ge=1, le=1024, description="machines to train on, placed by the flow through the "
+                       "Prefect work pool node_pool (each machine runs `gpuflow node`); --gpus applies on each; "
+                       "MIN:MAX (e.g. 1:2) sets min_nodes too", json_schema_extra={"cli": "range"})
+    min_nodes: int | None = Field(None, ge=1, le=1024, description="placed runs with max_node_failures: the fewest "
+                                  "machines the run goes on with when a lost one has no spare within rdzv_timeout_s "
+                                  "(the batch split over fewer processes, the change logged); default: nodes")
+    node_pool: str = Field("gpuflow-nodes", pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,99}$",
+                           description="the Prefect work pool whose queues are the machines (nodes > 1)")
+    rdzv_timeout_s: int = Field(300, ge=10, le=86_400, description="fail when not every node arrives (or, "
+                                "placed, starts) in time")
+    max_node_failures: int = Field(0, ge=0, le=100, description="placed runs (nodes > 1): machines that may "
+                                   "be lost and replaced by a spare of the pool, the run resuming from its last "
+                                   "checkpoint in the same MLflow run (a script: from its own, saved where every "
+                                   "machine reads it); 0: a node lost fails the run")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _node_range(cls, values):
+        """nodes="MIN:MAX" (the command line's --nodes 1:2) is min_nodes=MIN, nodes=MAX."""
+        if isinstance(values, dict) and isinstance(values.get("nodes"), str) and ":" in values["nodes"]:
+            low, _, high = values["nodes"].partition(":")
+            if not (low.strip().isdigit() and high.strip().isdigit()):
+                raise ValueError(f"nodes={values['nodes']!r} is not N or MIN:MAX; e.g. 2, or 1:2 (go on with one "
+                                 "machine when a lost one has no spare)")
+            values = {**values, "min_nodes": int(low), "nodes": int(high)}
+        return values
+
+    @model_validator(mode="after")
+    def _replaceable(self) -> "Machines":
+        if self.max_node_failures and self.nodes < 2:
+            raise ValueError(f"max_node_failures={self.max_node_failures} replaces machines of a run placed on "
+                             "several (nodes > 1); drop it, or set nodes")
+        if self.min_nodes is not None and self.min_nodes > self.nodes:
+            raise ValueError(f"min_nodes={self.min_nodes} is above nodes={self.nodes}; give MIN:MAX with MIN <= MAX")
+        if self.min_nodes is not None and self.min_nodes < self.nodes and not self.max_node_failures:
+            raise ValueError(f"nodes {self.min_nodes}:{self.nodes} goes on with fewer machines after losing one; "
+                             "set max_node_failures (how many machines may be lost), e.g. --max-node-failures 1")
+        return self
 
 
-# Parameters several flows share, declared here once.
-TrackingUri = Annotated[str | None, AfterValidator(check_tracking_uri),
-                        Field(description="MLflow URI (default: MLFLOW_TRACKING_URI, else "
-                              "sqlite:///<working directory>/mlflow.db)", validate_default=True)]
-Name = Annotated[str, AfterValidator(check_name)]
-RegisteredModel = Annotated[Name, Field(description="Model Registry name")]
-def check_version(v: str | int) -> str:
-    """A version number (1 or "1": the Prefect form and `-p version=1` send a number) or 'champion'."""
-    v = str(v)
-    if not (v.isdigit() and int(v) > 0) and v != "champion":
-        raise ValueError("not a version: use a registered version number (1, 2, ...) or 'champion'")
-    return v
+class Nodes(Machines):
+    """Machines, and the low-level path: a job started by hand on each machine (nnodes, node_rank, rdzv_endpoint)."""
 
+    nnodes: int = Field(1, ge=1, le=4096, description="low-level: machines of a job started by hand on each")
+    node_rank: int = Field(0, ge=0, description="low-level: this machine's rank; only node 0 owns the MLflow run")
+    rdzv_endpoint: Annotated[str | None, AfterValidator(check_endpoint)] = Field(
+        None, description="low-level: host:port of node 0's rendezvous, the same on every machine")
 
-def check_one_device(v: str) -> str:
-    try:
-        return one_device(v)
-    except UserError as e:
-        raise ValueError(str(e)) from None
+    @model_validator(mode="after")
+    def _joinable(self) -> "Nodes":
+        if self.nodes > 1 and self.nnodes > 1:
+            raise ValueError(f"nodes={self.nodes} places the run itself; drop nnodes={self.nnodes} (the "
+                             "low-level path, for machines started by hand)")
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError(f"nnodes={self.nnodes} needs rdzv_endpoint=<node 0 host>:<port>, "
+                             "the same on every node")
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank {self.node_rank} must be below nnodes {self.nnodes}")
+        return self
 
-
-NO_SUCH_FILE = Exists("no such file ({path}); check the path")
-
-
-Version = Annotated[str | int, AfterValidator(check_version),
-                    Field(description="a registered version number, or 'champion'")]
-OneDevice = Annotated[str, AfterValidator(check_one_device),
-                      Field(description="the one device: auto, cpu, 1 (the freest GPU), or a physical id like 3,")]
-InputFile = Annotated[str | None, AfterValidator(lambda v: v and absolute(v)), NO_SUCH_FILE]
 
 class Tracking(BaseModel):
     """The tracking part of a flow's parameters: where and under which names a run is recorded, not
@@ -91,7 +119,7 @@ class Tracking(BaseModel):
     runs_dir: str = Field("runs", description="folder for per-run configs, checkpoints and logs")
 
 
-class PipelineParams(Tracking, Nodes, Launch, Devices, Training):
+class PipelineParams(Tracking, Nodes, Torchrun, Devices, Training):
     """The train pipeline's parameters: the training, device, launch, node and tracking parts."""
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=(), allow_inf_nan=False)
@@ -134,7 +162,7 @@ def worker_config(params: PipelineParams, plan: DevicePlan, data: DatasetInfo | 
 RECORD_KEEPING = (*Tracking.model_fields, "node_rank", "rdzv_endpoint", "node_pool", "job")
 
 
-class ScriptParams(Tracking, Placement, Launch, Devices):
+class ScriptParams(Tracking, Machines, Torchrun, Devices):
     """The train-script flow: your own torchrun script on the assigned devices, in one MLflow run."""
 
     model_config = ConfigDict(extra="forbid")
@@ -176,20 +204,12 @@ class RetrainParams(PipelineParams):
         return self.model_dump(include=set(PipelineParams.model_fields))
 
 
-def check_parallel(v: str | int) -> str:
-    """auto or a count; a number as the Prefect form and `-p parallel=2` send it, or as text."""
-    v = str(v).strip()
-    if v != "auto" and not (v.isdigit() and int(v) >= 1):
-        raise ValueError(f"parallel={v!r}: use auto or a number of trials at a time, like 2")
-    return v
-
-
 class Sweep(BaseModel):
     """The sweep part of its flow's parameters: what is searched, how, and where it is kept."""
 
-    script: Annotated[ScriptFile | None, SCRIPT] = Field(None, description="your torchrun script: each trial runs it with its "
-                                      "values as arguments (see script_args); the training options (model, "
-                                      "dataset, lr, ...) are then not used")
+    script: Annotated[ScriptFile | None, SCRIPT] = Field(
+        None, description="your torchrun script: each trial runs it with its values as arguments (see script_args); "
+        "the training options (model, dataset, lr, ...) are then not used")
     script_args: ScriptArgs = []
     collect: Collect = []
 

@@ -23,6 +23,7 @@ from gpuflow.tasks.devices.probe import EnvironmentReport, probe_environment
 from gpuflow.training.refs import check_references
 
 from .allow import check_allowed
+from .params import Devices
 
 
 class StepTimer:
@@ -76,7 +77,7 @@ def on_one_device(gpus: str, probe: Callable[[], EnvironmentReport] = probe_envi
     """One device as training takes one (the host's slot unless `slot` is False, the device `gpus` names, its
     card's lock), for an evaluation or a prediction; yields (plan, the locks' descriptors)."""
     with device_slot() if slot else nullcontext():
-        plan = one_device_plan(probe(), gpus)
+        plan = one_device_plan(probe(), Devices(gpus=gpus))
         with card_locks(plan) as locks:
             yield plan, locks.fds
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpuflow.tasks.devices.assign import Devices, assign_devices_for, why_not
+from gpuflow.tasks.devices.assign import assign_devices_for, why_not
 from gpuflow.tasks.devices.cards import CardLocks
 from gpuflow.tasks.devices.probe import EnvironmentReport, probe_environment
 from gpuflow.tasks.child import Stopped
@@ -21,7 +21,7 @@ from gpuflow.training.contract import CHECKPOINT_SUFFIXES, RunFolder
 
 from .job import Placement, run_job
 from .launchers import Script, Worker, own_metrics
-from .params import PipelineParams, ScriptParams, SweepParams
+from .params import Devices, PipelineParams, ScriptParams, SweepParams
 from .space import SweepError, with_values
 
 

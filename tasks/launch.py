@@ -11,14 +11,13 @@ import socket
 import sys
 import threading
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
-from pydantic import AfterValidator, BaseModel, Field, model_validator
+from pydantic import BaseModel
 
 from gpuflow.training.compat import FRESH_RDZV_STORE
-from gpuflow.training.config import DistTimeout, Exists, absolute
 from gpuflow.training.errors import UserError
 from gpuflow.training.contract import (CARD_LOCKS_ENV, CARD_OWNER_ENV, DIST_TIMEOUT_ENV, LAUNCH_ATTEMPT_ENV,
                                        METRICS_FILE_ENV, OUTPUT_DIR_ENV, PROCESS_GROUP_FILE_ENV, RunFolder)
@@ -28,99 +27,8 @@ from .failure import TrainingFailed, error_folder, failure
 from .devices.assign import DevicePlan
 from .devices.cards import rank_lock_files
 
-class Launch(BaseModel):
-    """The launch part of a flow's parameters (flows/params.py composes it with the others)."""
-
-    max_restarts: int = Field(1, ge=0, le=100, description="torchrun elastic restarts after a worker dies")
-    dist_timeout_s: DistTimeout = 300.0
-
-
-def check_endpoint(v: str | None) -> str | None:
-    host, _, port = (v or "").rpartition(":")
-    if v is not None and not (host and port.isdigit() and 0 < int(port) < 65536):
-        raise ValueError("not host:port; use node 0's address and a free port, e.g. 10.0.0.5:29500")
-    return v
-
-
-class Placement(BaseModel):
-    """The machines of a job: one by default; several placed by the flow on the node pool's machines."""
-
-    nodes: int = Field(1, ge=1, le=1024, description="machines to train on, placed by the flow through the "
-                       "Prefect work pool node_pool (each machine runs `gpuflow node`); --gpus applies on each; "
-                       "MIN:MAX (e.g. 1:2) sets min_nodes too", json_schema_extra={"cli": "range"})
-    min_nodes: int | None = Field(None, ge=1, le=1024, description="placed runs with max_node_failures: the fewest "
-                                  "machines the run goes on with when a lost one has no spare within rdzv_timeout_s "
-                                  "(the batch split over fewer processes, the change logged); default: nodes")
-    node_pool: str = Field("gpuflow-nodes", pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,99}$",
-                           description="the Prefect work pool whose queues are the machines (nodes > 1)")
-    rdzv_timeout_s: int = Field(300, ge=10, le=86_400, description="fail when not every node arrives (or, "
-                                "placed, starts) in time")
-    max_node_failures: int = Field(0, ge=0, le=100, description="placed runs (nodes > 1): machines that may "
-                                   "be lost and replaced by a spare of the pool, the run resuming from its last "
-                                   "checkpoint in the same MLflow run (a script: from its own, saved where every "
-                                   "machine reads it); 0: a node lost fails the run")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _node_range(cls, values):
-        """nodes="MIN:MAX" (the command line's --nodes 1:2) is min_nodes=MIN, nodes=MAX."""
-        if isinstance(values, dict) and isinstance(values.get("nodes"), str) and ":" in values["nodes"]:
-            low, _, high = values["nodes"].partition(":")
-            if not (low.strip().isdigit() and high.strip().isdigit()):
-                raise ValueError(f"nodes={values['nodes']!r} is not N or MIN:MAX; e.g. 2, or 1:2 (go on with one "
-                                 "machine when a lost one has no spare)")
-            values = {**values, "min_nodes": int(low), "nodes": int(high)}
-        return values
-
-    @model_validator(mode="after")
-    def _replaceable(self) -> "Placement":
-        if self.max_node_failures and self.nodes < 2:
-            raise ValueError(f"max_node_failures={self.max_node_failures} replaces machines of a run placed on "
-                             "several (nodes > 1); drop it, or set nodes")
-        if self.min_nodes is not None and self.min_nodes > self.nodes:
-            raise ValueError(f"min_nodes={self.min_nodes} is above nodes={self.nodes}; give MIN:MAX with MIN <= MAX")
-        if self.min_nodes is not None and self.min_nodes < self.nodes and not self.max_node_failures:
-            raise ValueError(f"nodes {self.min_nodes}:{self.nodes} goes on with fewer machines after losing one; "
-                             "set max_node_failures (how many machines may be lost), e.g. --max-node-failures 1")
-        return self
-
-
-class Nodes(Placement):
-    """Placement, and the low-level path: a job started by hand on each machine (nnodes, node_rank, rdzv_endpoint)."""
-
-    nnodes: int = Field(1, ge=1, le=4096, description="low-level: machines of a job started by hand on each")
-    node_rank: int = Field(0, ge=0, description="low-level: this machine's rank; only node 0 owns the MLflow run")
-    rdzv_endpoint: Annotated[str | None, AfterValidator(check_endpoint)] = Field(
-        None, description="low-level: host:port of node 0's rendezvous, the same on every machine")
-
-    @model_validator(mode="after")
-    def _joinable(self) -> "Nodes":
-        if self.nodes > 1 and self.nnodes > 1:
-            raise ValueError(f"nodes={self.nodes} places the run itself; drop nnodes={self.nnodes} (the "
-                             "low-level path, for machines started by hand)")
-        if self.nnodes > 1 and not self.rdzv_endpoint:
-            raise ValueError(f"nnodes={self.nnodes} needs rdzv_endpoint=<node 0 host>:<port>, "
-                             "the same on every node")
-        if self.node_rank >= self.nnodes:
-            raise ValueError(f"node_rank {self.node_rank} must be below nnodes {self.nnodes}")
-        return self
-
-
-def check_script(v: str) -> str:
-    path = Path(absolute(v))
-    if path.suffix not in ("", ".py"):  # none: a folder, refused as one when the job is entered
-        raise ValueError(f"{path.name} is not a Python file; torchrun runs a .py script")
-    return str(path)
-
-
-SCRIPT = Exists("no such file ({path}); give the path of your training script, e.g. train_ddp.py",
-                folder="{path} is a directory; give the path of your training script in it, e.g. {path}/train.py")
-ScriptFile = Annotated[str, AfterValidator(check_script), SCRIPT]
-ScriptArgs = Annotated[list[str], Field(
-    description="the script's own arguments (on the command line: everything after --); in a sweep, {name} "
-    "in them is replaced by the trial's value of name, and a name without a placeholder is appended as "
-    "--name=value", json_schema_extra={"cli": "rest"})]
-
+if TYPE_CHECKING:  # the request: the flows' parameters
+    from gpuflow.flows.params import Machines, Nodes, ScriptParams, Torchrun
 
 class Rendezvous(BaseModel):
     """A placed job's c10d rendezvous: every node's agent joins the store node 0's agent hosts at `endpoint`."""
@@ -155,7 +63,7 @@ def port_in_use(host: str, port: int) -> bool:
     return False
 
 
-def build_command(plan: DevicePlan, launch: Launch, nodes: Nodes, config: Path, result: Path,
+def build_command(plan: DevicePlan, launch: Torchrun, nodes: Nodes, config: Path, result: Path,
                   rdzv: Rendezvous | None = None) -> list[str]:
     worker = ["-m", "gpuflow.training", "--config", str(config), "--result", str(result)]
     if plan.strategy != "ddp":
@@ -163,7 +71,7 @@ def build_command(plan: DevicePlan, launch: Launch, nodes: Nodes, config: Path, 
     return [*torchrun(plan, launch, nodes, rdzv), *worker]
 
 
-def torchrun(plan: DevicePlan, launch: Launch, opts: Nodes, rdzv: Rendezvous | None = None) -> list[str]:
+def torchrun(plan: DevicePlan, launch: Torchrun, opts: Nodes | Machines, rdzv: Rendezvous | None = None) -> list[str]:
     """torchrun with the plan's processes per node, restarts and rendezvous."""
     # no --tee/--log-dir for the worker: their log-tailing threads once kept a signalled torchrun from exiting
     restarts = 0 if rdzv else launch.max_restarts  # placed: a node that fails fails the job
@@ -174,7 +82,7 @@ def torchrun(plan: DevicePlan, launch: Launch, opts: Nodes, rdzv: Rendezvous | N
                 "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv.endpoint}", f"--rdzv-id={rdzv.id}",
                 f"--local-addr={rdzv.local_addr}",  # the workers' MASTER_ADDR, when rank 0 is here
                 f"--rdzv-conf=is_host={str(rdzv.host).lower()},join_timeout={opts.rdzv_timeout_s}"]
-    if opts.nnodes == 1 and not opts.rdzv_endpoint:
+    if getattr(opts, "nnodes", 1) == 1 and not getattr(opts, "rdzv_endpoint", None):  # a script's: no low-level path
         cmd += ["--standalone",  # c10d on a free localhost port: parallel runs never collide
                 f"--rdzv-conf=join_timeout={opts.rdzv_timeout_s}"]
     else:
@@ -216,7 +124,7 @@ def child_environment(plan: DevicePlan, metrics_file: Path | None = None) -> dic
     return env
 
 
-def launch(config: Path, plan: DevicePlan, opts: Launch, nodes: Nodes, workdir: Path, log,
+def launch(config: Path, plan: DevicePlan, opts: Torchrun, nodes: Nodes, workdir: Path, log,
            metrics_file: Path | None = None, hold_fds: tuple[int, ...] = (), attempt: int = 1,
            rdzv: Rendezvous | None = None, stop: threading.Event | None = None) -> dict:
     """Run the worker for `config` with the plan's devices; its results JSON (`rank0` False on a node without
@@ -245,7 +153,7 @@ def launch(config: Path, plan: DevicePlan, opts: Launch, nodes: Nodes, workdir: 
 
 
 @task(name="launch-training", retries=0, cache_policy=NO_CACHE)
-def launch_training(config: Path, plan: DevicePlan, opts: Launch, nodes: Nodes, workdir: Path,
+def launch_training(config: Path, plan: DevicePlan, opts: Torchrun, nodes: Nodes, workdir: Path,
                     metrics_file: Path | None = None, hold_fds: tuple[int, ...] = (),
                     rdzv: Rendezvous | None = None, stop: threading.Event | None = None) -> dict:
     """Run the worker with the plan's devices; stream its output; return its results JSON."""
@@ -274,7 +182,7 @@ def script_environment(plan: DevicePlan, run, tracking_uri: str) -> dict:
 
 
 @task(name="launch-script", retries=0, cache_policy=NO_CACHE)
-def launch_script(script: str, script_args: list[str], opts: Launch, tracking_uri: str, plan: DevicePlan,
+def launch_script(script: str, script_args: list[str], opts: ScriptParams, tracking_uri: str, plan: DevicePlan,
                   run, hold_fds: tuple[int, ...] = (), rdzv: Rendezvous | None = None,
                   stop: threading.Event | None = None, cwd: Path | None = None) -> None:
     """Run the user's script under torchrun, always (one process per device), from `cwd` (default:
@@ -285,7 +193,7 @@ def launch_script(script: str, script_args: list[str], opts: Launch, tracking_ur
     log, folder = get_run_logger(), RunFolder(run.workdir)
     folder.outputs.mkdir(parents=True, exist_ok=True)
     # per-rank logs, console lines tagged by rank; training/runscript.py runs it as `python script.py` would
-    cmd = [*torchrun(plan, opts, Nodes(), rdzv), f"--log-dir={folder.logs / 'ranks'}", "--tee=3",
+    cmd = [*torchrun(plan, opts, opts, rdzv), f"--log-dir={folder.logs / 'ranks'}", "--tee=3",
            "--log-line-prefix-template=[rank${rank}]:", "-m", "gpuflow.training.runscript", script, *script_args]
     log.info("launching: %s", " ".join(cmd))
     env = script_environment(plan, run, tracking_uri)

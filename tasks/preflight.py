@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from .launch import Nodes, check_rendezvous
+from .launch import check_rendezvous
+
+if TYPE_CHECKING:  # the request: the flows' parameters
+    from gpuflow.flows.params import Nodes
 
 
 def check_resume(cfg, num_classes: int | None, input_shape: list[int] | None) -> None:

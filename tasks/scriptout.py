@@ -10,9 +10,6 @@ import logging
 import os
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated
-
-from pydantic import AfterValidator, Field
 
 from gpuflow.training.contract import CHECKPOINT_SUFFIXES, RunFolder, not_distributed, read_process_group
 
@@ -21,24 +18,6 @@ from .tracking.tracked import TrackedRun
 log = logging.getLogger(__name__)
 
 STATE_SUFFIXES = (".pt", ".pth")
-
-
-def check_collect(patterns: list[str]) -> list[str]:
-    """Glob patterns that stay inside the working folder: relative, no '..' ('**/..' climbs out too); raises
-    ValueError. Each match is checked again, by its real path, when it is logged."""
-    for pattern in patterns:
-        path = Path(pattern)
-        if not pattern.strip() or path.is_absolute() or pattern.startswith("~") or ".." in path.parts:
-            raise ValueError(f"collect pattern {pattern[:200]!r} must be a glob relative to the working folder "
-                             "that stays inside it (no leading '/' or '~', no '..'), e.g. 'snapshot.pt' or "
-                             "'checkpoints/*.pt'")
-    return patterns
-
-
-Collect = Annotated[list[str], AfterValidator(check_collect), Field(description=(
-    "glob patterns, relative to the working folder and staying inside it, of files the script writes "
-    "outside GPUFLOW_OUTPUT_DIR to log as artifacts (e.g. [\"snapshot.pt\"]); the newest state dict "
-    "among them is the run's checkpoint"))]
 
 
 def newest_state_file(files: list[Path]) -> Path | None:

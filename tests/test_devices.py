@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 from pydantic import ValidationError
 
-from gpuflow.flows.params import PipelineParams
+from gpuflow.flows.params import Devices, PipelineParams
 from gpuflow.tasks.devices.assign import AssignmentError, assign_devices_for
 from gpuflow.tasks.devices.cards import CardLockError, CardLocks
 from gpuflow.tasks.devices.probe import EnvironmentReport, GpuInfo, read_environment
@@ -177,7 +177,7 @@ def test_child_sees_exactly_the_assigned_real_gpu():
 def test_evaluation_takes_one_device_with_runs_gpus_grammar(gpus, expected):
     from gpuflow.tasks.devices.assign import one_device_plan
 
-    plan = one_device_plan(FOUR, gpus)
+    plan = one_device_plan(FOUR, Devices(gpus=gpus))
     assert plan.physical_ids == expected and plan.strategy == "single" and plan.nproc_per_node == 1
 
 
@@ -188,7 +188,7 @@ def test_evaluation_refuses_several_devices_and_says_how_to_name_one(gpus, messa
     from gpuflow.tasks.devices.assign import one_device_plan
 
     with pytest.raises(AssignmentError, match=re.escape(message)):
-        one_device_plan(FOUR, gpus)
+        one_device_plan(FOUR, Devices(gpus=gpus))
 
 
 def test_probe_on_this_host_never_raises_and_never_initialises_cuda(monkeypatch):

@@ -6,16 +6,19 @@ Users name physical GPUs (nvidia-smi numbering); the child sees them as logical 
 from __future__ import annotations
 
 import os
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Literal
 
 from prefect import task
-from pydantic import AfterValidator, BaseModel, Field
+from pydantic import BaseModel
 
 from gpuflow.training.config import FP16_NEEDS_CUDA, batch_split
 from gpuflow.training.errors import UserError
 
 from .cards import CardLocks
 from .probe import EnvironmentReport, GpuInfo
+
+if TYPE_CHECKING:  # the request: the flows' parameters
+    from gpuflow.flows.params import Devices
 
 
 class AssignmentError(UserError):
@@ -71,19 +74,6 @@ def check_host(params) -> None:
             raise AssignmentError(f"synthetic_size={params.synthetic_size} at synthetic_side={params.synthetic_side} "
                                   f"needs {need / 2**30:.1f} GiB per process, more than half of this host's "
                                   f"{ram / 2**30:.0f} GiB; lower synthetic_size or synthetic_side")
-
-
-class Devices(BaseModel):
-    """The device part of a flow's parameters: which cards, and how they are shared."""
-
-    strategy: Literal["auto", "single", "dp", "ddp"] = Field(
-        "auto", description="auto: ddp for several devices (gloo on CPU), single for one")
-    gpus: Annotated[str, AfterValidator(parse_gpus), Field(description=GPUS_HELP)] = "auto"
-    backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="DDP backend; auto: nccl on GPUs, gloo on CPU")
-    min_free_mb: int = Field(0, ge=0, le=10_000_000, description="refuse/skip GPUs with less free memory")
-    skip_busy: bool = Field(True, description="skip GPUs already running other processes")
-    cpu_processes: int = Field(0, ge=0, description="DDP processes on a CPU-only host (0 = auto; "
-                               "at most the host's CPU count)")
 
 
 class DevicePlan(BaseModel):
@@ -231,12 +221,13 @@ def _check_batch_and_precision(plan: DevicePlan, report: EnvironmentReport, batc
                                   "use 'fp16' or 'fp32'")
 
 
-def one_device_plan(report: EnvironmentReport, gpus: str) -> DevicePlan:
-    """One device for evaluation or inference: auto (the freest GPU, else the CPU), '1' (the freest GPU), '3,', cpu."""
-    gpus = one_device(gpus)
+def one_device_plan(report: EnvironmentReport, request: Devices) -> DevicePlan:
+    """One device for evaluation or inference: `request.gpus` auto (the freest GPU, else the CPU), '1' (the freest
+    GPU), '3,', cpu; the request's strategy single, one process."""
+    gpus = one_device(request.gpus)
     if gpus == "auto":
         gpus = "1" if report.visible_physical_ids() else "cpu"
-    request = Devices(gpus=gpus, strategy="single", cpu_processes=1)
+    request = request.model_copy(update={"gpus": gpus, "strategy": "single", "cpu_processes": 1})
     return assign_devices_for(report, request, batch_size=1, locked=CardLocks().held_elsewhere(report))
 
 
