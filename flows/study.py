@@ -28,7 +28,7 @@ from .stack import STUDY_VARIABLE
 from .launchers import stem
 
 HEARTBEAT_S = 10  # a RUNNING trial whose heartbeat is older than twice this is stale (Optuna)
-PRUNE_REFRESH_S = 1.0  # how old the copy of the study's completed trials the pruner compares against may be
+PRUNE_REFRESH_S = 30.0  # how old the pruner's copy of trials completed by another process may be
 
 
 def study_name(params: SweepParams) -> str:
@@ -87,12 +87,14 @@ def open_study(params: SweepParams, direction: str, url: str):
 
 class Pruning:
     """The study's pruner asked about a running trial's values as this process reported them, against a copy of the
-    study's COMPLETE trials read at most every PRUNE_REFRESH_S. (`Trial.should_prune()` reads the running trial back
-    from the database on every call, ~4 ms a line and more as its epochs grow.) The rule and its inputs are Optuna's;
-    only a trial completed by another process in the last PRUNE_REFRESH_S may be left out."""
+    study's COMPLETE trials. (`Trial.should_prune()` reads the running trial back from the database on every call,
+    ~4 ms a line and more as its epochs grow.) A trial this sweep completes joins the copy at once
+    (`completed_here`); the whole copy is read again at most every PRUNE_REFRESH_S, for trials completed by another
+    process sharing the study, which alone may be left out that long. The rule and its inputs are Optuna's."""
 
     def __init__(self, study):
         self.study, self._lock, self._read_at, self._completed = study, threading.Lock(), -math.inf, None
+        self._numbers: set[int] = set()
 
     def completed(self):
         import optuna
@@ -100,10 +102,18 @@ class Pruning:
 
         with self._lock:
             if time.monotonic() - self._read_at >= PRUNE_REFRESH_S:
-                copy = optuna.create_study(directions=self.study.directions)
-                copy.add_trials(self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
-                self._completed, self._read_at = copy, time.monotonic()
+                trials = self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+                self._completed = optuna.create_study(directions=self.study.directions)
+                self._completed.add_trials(trials)
+                self._numbers, self._read_at = {t.number for t in trials}, time.monotonic()
             return self._completed
+
+    def completed_here(self, trial) -> None:
+        """A trial this process completed (`study.tell`'s FrozenTrial), in the copy without reading the study."""
+        with self._lock:
+            if self._completed is not None and trial.number not in self._numbers:
+                self._completed.add_trial(trial)
+                self._numbers.add(trial.number)
 
     def says(self, number: int, values: dict[int, float]) -> bool:
         """Prune trial `number`, whose reported values are `values` (step: value)?"""

@@ -173,7 +173,7 @@ def tell(study, t: Trial, fut: Future, log):
         log.info("trial %d: pruned after epoch %d", t.trial.number, t.pruned_at)
         return TrialState.PRUNED
     if error is None:
-        study.tell(t.trial, fut.result())
+        t.pruning.completed_here(study.tell(t.trial, fut.result()))
         log.info("trial %d: %s", t.trial.number, fut.result())
         return TrialState.COMPLETE
     if isinstance(error, SweepError):

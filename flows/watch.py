@@ -82,12 +82,17 @@ def node_failure(runs: dict, states: dict, silent: list[str]) -> tuple[str, str]
 
 def relay_logs(client, runs: dict, seen: dict, log) -> None:
     """Each node's new log lines, in the parent's log with the node's name in front; `seen`: the lines relayed
-    (id: timestamp). A line that lands late, behind lines already relayed, is relayed when it lands."""
+    (id: timestamp, only those of the last LATE_S s: the lines each read goes back to). A line that lands late,
+    behind lines already relayed, is relayed when it lands."""
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId, LogFilterTimestamp
     from prefect.client.schemas.sorting import LogSort
 
     by_id = {r.id: m for m, r in runs.items()}
-    since = LogFilterTimestamp(after_=max(seen.values()) - timedelta(seconds=LATE_S)) if seen else None
+    since = None
+    if seen:
+        since = LogFilterTimestamp(after_=max(seen.values()) - timedelta(seconds=LATE_S))
+        for old in [i for i, at in seen.items() if at < since.after_]:
+            del seen[old]
     offset = 0
     while True:
         page = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=list(by_id)), timestamp=since),

@@ -270,5 +270,9 @@ def test_a_node_log_line_that_lands_behind_lines_already_relayed_is_still_relaye
         land((1, "from the worker, in between"))
         watch.relay_logs(client, {"node-a": run}, seen, log)
         watch.relay_logs(client, {"node-a": run}, seen, log)  # nothing twice
+        land((2 + watch.LATE_S + 1, "a minute on"))
+        watch.relay_logs(client, {"node-a": run}, seen, log)
+        watch.relay_logs(client, {"node-a": run}, seen, log)
     assert relayed == ["[node-a] from the flow run", "[node-a] from the flow run, later",
-                       "[node-a] from the worker, in between"]
+                       "[node-a] from the worker, in between", "[node-a] a minute on"]
+    assert len(seen) == 1  # what it remembers is the lines a read can still return, not the whole run

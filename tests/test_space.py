@@ -126,6 +126,7 @@ def test_the_sweeps_pruning_decides_as_optunas_should_prune_on_the_same_study(di
             trial.report(value, step)
             values[step] = value
             decided.append((pruning.says(trial.number, values), trial.should_prune()))
-        study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+        pruning.completed_here(study.tell(trial, offset))  # completed here: counted from the next trial on
+    assert len(pruning.completed().trials) == 7  # without reading the study again (PRUNE_REFRESH_S is 30 s)
     assert [ours for ours, _ in decided] == [theirs for _, theirs in decided]
     assert {ours for ours, _ in decided} == {True, False}  # both answers came up
