@@ -30,6 +30,7 @@ from .devices.cards import rank_lock_files
 if TYPE_CHECKING:  # the request: the flows' parameters
     from gpuflow.flows.params import Machines, Nodes, ScriptParams, Torchrun
 
+
 class Rendezvous(BaseModel):
     """A placed job's c10d rendezvous: every node's agent joins the store node 0's agent hosts at `endpoint`."""
 

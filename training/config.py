@@ -149,7 +149,8 @@ class Training(BaseModel):
 
     @field_validator("data_root", "resume")
     @classmethod
-    def _absolute(cls, v: str, info) -> str:
+    def _absolute(cls, v: str) -> str:
+        """As meant where the user typed them; whether a resume file is there is checked when the job is entered."""
         return v if v in ("auto", "never") else absolute(v)
 
     @model_validator(mode="after")
