@@ -16,7 +16,11 @@ its epoch_time_s), the work lost (whole epochs trained again, and the training s
 checkpoint at the loss) and both walls. Goal: recovery <= 30 s plus one rendezvous, work lost <=
 one checkpoint interval (one epoch).
 
-    python -m bench.nodes --recovery [--repeats 3]
+    python -m bench.nodes --recovery [--script] [--repeats 3]
+
+With `--script`, the job is tests/test_node_failover.py's RESUMING script (`gpuflow run --script`, 6 epochs of
+about 1 s, rank 0 saving a snapshot each epoch on the host's filesystem, which every netns machine reads), which
+resumes itself when the new round runs it again; an epoch's length is the gap between its epoch lines.
 """
 
 from __future__ import annotations
@@ -48,27 +52,35 @@ RECOVERY_JOB = ["--gpus", "cpu", "--cpu-processes", "1", "--nodes", "2", "--max-
                 "--dataset", "synthetic", "--synthetic-size", "20000", "--epochs", "6", "--seed", "3"]
 
 
-def _history(client, name: str) -> list:
+def _history(client, name: str, metric: str) -> list:
     exp = client.get_experiment_by_name("gpuflow")
     runs = client.search_runs(exp.experiment_id, f"tags.`mlflow.runName` = '{name}'") if exp else []
-    return client.get_metric_history(runs[0].info.run_id, "train_loss") if runs else []
+    return client.get_metric_history(runs[0].info.run_id, metric) if runs else []
 
 
-def one_recovery(cluster, folder: Path, lose: bool) -> dict:
-    """One placed run; with `lose`, the ranks of its second machine killed once epoch 2 is logged."""
+def one_recovery(cluster, folder: Path, lose: bool, script: bool) -> dict:
+    """One placed run (gpuflow's worker, or with `script` a torchrun script that resumes from its own snapshot);
+    with `lose`, the ranks of its second machine killed once epoch 2 is logged."""
     import mlflow
 
+    from tests.test_node_failover import RESUMING
     from tests.test_nodes import finished, gpuflow, kill_ranks
 
     folder.mkdir()
-    name = folder.name
+    name, metric = folder.name, "loss" if script else "train_loss"
+    own = ["--node-pool", cluster.pool, "--run-name", name]
+    if script:  # the same machines and failures; the script's own epochs
+        (folder / "resuming.py").write_text(RESUMING)
+        args = [*RECOVERY_JOB[:8], *own, "--script", str(folder / "resuming.py"), "--", str(folder / "snapshot.pt")]
+    else:
+        args = [*RECOVERY_JOB, *own]
     start = time.monotonic()
-    proc = gpuflow(cluster, folder, *RECOVERY_JOB, "--node-pool", cluster.pool, "--run-name", name)
+    proc = gpuflow(cluster, folder, *args)
     client = mlflow.MlflowClient(f"sqlite:///{folder / 'mlflow.db'}")
     killed = None
     while lose and killed is None:
         assert proc.poll() is None and time.monotonic() - start < 600, proc.communicate()[1][-3000:]
-        logged = _history(client, name)
+        logged = _history(client, name, metric)
         if len(logged) >= 2:
             run = client.search_runs(client.get_experiment_by_name("gpuflow").experiment_id,
                                      f"tags.`mlflow.runName` = '{name}'")[0]
@@ -81,17 +93,25 @@ def one_recovery(cluster, folder: Path, lose: bool) -> dict:
     assert code == 0, err[-3000:]
     result = {"wall": time.monotonic() - start}
     if lose:
-        run = client.get_run(out["run_id"])
-        resumed = int(run.data.tags["node_replacement.1"].rsplit("resumed after epoch ", 1)[1])
-        after = min((m for m in client.get_metric_history(out["run_id"], "train_loss") if m.step > resumed),
-                    key=lambda m: m.step)
-        took = {m.step: m.value for m in client.get_metric_history(out["run_id"], "epoch_time_s")}[after.step]
-        result.update(recovery=after.timestamp / 1000 - took - killed, redone=max(0, before - resumed),
-                      since_checkpoint=killed - last, epoch=took)
+        history = sorted(client.get_metric_history(out["run_id"], metric), key=lambda m: m.timestamp)
+        if script:  # the new round's first line: the one after the longest gap (an epoch in progress at the loss
+            # may still end and log in the old round); an epoch: the median gap before the loss
+            after = max(zip(history, history[1:]), key=lambda pair: pair[1].timestamp - pair[0].timestamp)[1]
+            took = statistics.median((b.timestamp - a.timestamp) / 1000 for a, b in zip(history, history[1:])
+                                     if b.timestamp <= last * 1000)
+            redone = len(history) - len({m.step for m in history})  # epochs logged again: trained again
+        else:
+            resumed = int(client.get_run(out["run_id"]).data.tags["node_replacement.1"].rsplit(
+                "resumed after epoch ", 1)[1])
+            after = min((m for m in history if m.step > resumed), key=lambda m: m.step)
+            took = {m.step: m.value for m in client.get_metric_history(out["run_id"], "epoch_time_s")}[after.step]
+            redone = max(0, before - resumed)
+        result.update(recovery=after.timestamp / 1000 - took - killed, redone=redone, since_checkpoint=killed - last,
+                      epoch=took)
     return result
 
 
-def recovery(tmp: Path, repeats: int) -> None:
+def recovery(tmp: Path, repeats: int, script: bool) -> None:
     from tests.netns import two_nodes
 
     rows: dict[str, list[dict]] = {"none lost": [], "one lost": []}
@@ -99,10 +119,12 @@ def recovery(tmp: Path, repeats: int) -> None:
                    GPUFLOW_ALLOW_PATHS=str(tmp)) as cluster:
         for i in range(repeats):
             for label, lose in (("none lost", False), ("one lost", True)):
-                rows[label].append(one_recovery(cluster, tmp / f"run-{i}-{int(lose)}", lose))
+                rows[label].append(one_recovery(cluster, tmp / f"run-{i}-{int(lose)}", lose, script))
                 print(label, {k: round(v, 2) for k, v in rows[label][-1].items()}, flush=True)
     lost, kept = rows["one lost"], rows["none lost"]
-    print(f"{os.cpu_count()} CPUs, {repeats} repeats, 3 machines (netns), --nodes 2 --max-node-failures 1, 6 epochs")
+    what = "a script that resumes from its own snapshot" if script else "gpuflow's worker"
+    print(f"{os.cpu_count()} CPUs, {repeats} repeats, 3 machines (netns), --nodes 2 --max-node-failures 1, 6 epochs, "
+          f"{what}")
     print(f"wall, nothing lost:           {fmt(summary([r['wall'] for r in kept]), 1)} s")
     print(f"wall, one machine lost:       {fmt(summary([r['wall'] for r in lost]), 1)} s")
     print(f"recovery (loss to first step after resume): {fmt(summary([r['recovery'] for r in lost]), 1)} s")
@@ -116,10 +138,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--recovery", action="store_true", help="the time to recover from a lost machine (root)")
+    p.add_argument("--script", action="store_true", help="with --recovery: a torchrun script that resumes itself")
     a = p.parse_args()
     if a.recovery:
         with tempfile.TemporaryDirectory() as d:
-            return recovery(Path(d), a.repeats)
+            return recovery(Path(d), a.repeats, a.script)
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         (tmp / "prefect-home").mkdir()
