@@ -111,14 +111,21 @@ def run_trials(kept: Kept, space: dict[str, Distribution], params: SweepParams, 
     outcomes: dict[str, dict] = {}  # run id -> rank 0's result, as each trial returned it
     failures, waiting_since, last_beat = 0, None, 0.0
     pool = ThreadPoolExecutor(max_workers=slots.parallel, thread_name_prefix="gpuflow-trial")
+    done = counted(study)  # read again only when it may have changed: it reads every trial's every value
     try:
-        while (wanted := params.trials - counted(study) - len(running)) > 0 or running:
+        while (wanted := params.trials - done - len(running)) > 0 or running:
             if wanted > 0 and len(running) < slots.parallel:
                 slot = slots.take()
+                if slot is not None and params.trials - (done := counted(study)) - len(running) <= 0:
+                    slots.give_back(slot)  # another process sharing the study met the budget meanwhile
+                    continue
                 if slot is None:
                     if not running and waiting_since is None:
                         waiting_since = time.monotonic()
                         log.warning("sweep %s: every slot is held by another gpuflow run; waiting", name)
+                    if not running:  # no trial to wait on: look for a slot again in a second
+                        time.sleep(1.0)
+                        continue
                 else:
                     waiting_since = None
                     t = start_trial(kept, space, slot)
@@ -139,7 +146,8 @@ def run_trials(kept: Kept, space: dict[str, Distribution], params: SweepParams, 
                 if failures >= CONSECUTIVE_FAILURES:
                     raise SweepError(f"sweep {name}: {failures} trials failed in a row, the last: "
                                      f"{one_line(fut.exception())}") from fut.exception()
-                log.info("sweep %s: %d of %d trials done, %d running; best so far: %s", name, counted(study),
+                done = counted(study)
+                log.info("sweep %s: %d of %d trials done, %d running; best so far: %s", name, done,
                          params.trials, len(running), best_so_far(study))
     except BaseException:
         for t in running.values():  # stop every trial's ranks, then mark them cut off
