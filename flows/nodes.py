@@ -46,7 +46,7 @@ def place(launcher) -> dict:
     job = flow_run.get_id() or os.urandom(8).hex()
     name = current_name(params.run_name, launcher.stem)
     lost: list[tuple[str, str]] = []  # (machine, why)
-    resume = epoch = None
+    resume = resumed = None
     with parent_run(params, name, {**launcher.tags, "nodes": params.nodes}) as run:
         if params.tracking_uri.startswith("sqlite:"):
             log.warning("every node logs into %s: each machine must reach that file (a shared filesystem); "
@@ -61,8 +61,6 @@ def place(launcher) -> dict:
                 fewer = "" if len(machines) >= want else (
                     f" ({len(machines)} of {params.nodes} machines: no spare came within {params.rdzv_timeout_s} s; "
                     "the batch split over fewer processes)")
-                resumed = "the script resumes from its own checkpoint" if launcher.resumes_itself else \
-                    f"resumed after epoch {epoch}"
                 run.client.set_tag(run.run_id, f"node_replacement.{len(lost)}",
                                    f"lost {lost[-1][0]} ({lost[-1][1][:300]}); now on {', '.join(machines)}{fewer}; "
                                    f"{resumed}")
@@ -88,9 +86,10 @@ def place(launcher) -> dict:
                     raise
                 lost.append((e.node, str(e).splitlines()[0]))
                 resume, epoch = (None, None) if launcher.resumes_itself else last_checkpoint(run)
+                resumed = "the script resumes from its own checkpoint" if launcher.resumes_itself else \
+                    f"resumed after epoch {epoch}"
                 log.warning("%s; replacing it (%d of %d), %s", str(e).splitlines()[0], len(lost),
-                            params.max_node_failures, "the script resuming from its own checkpoint"
-                            if launcher.resumes_itself else f"resuming after epoch {epoch}")
+                            params.max_node_failures, resumed)
             finally:
                 Variable.unset(variable("rdzv", round_id))
         try:
