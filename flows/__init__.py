@@ -22,8 +22,5 @@ class _Flows(ModuleType):
             return getattr(import_module(PUBLIC[name], __name__), name)
         return super().__getattribute__(name)
 
-    def __getattr__(self, name: str):
-        raise AttributeError(f"module 'gpuflow.flows' has no attribute {name!r}")
-
 
 sys.modules[__name__].__class__ = _Flows

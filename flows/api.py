@@ -74,30 +74,22 @@ def one_start_at_a_time() -> Iterator[None]:
     """Held while a server on this PREFECT_HOME starts: two servers migrating one database break it."""
     path = _lock_path()
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as lock:
-        _acquire(lock, path)
-        yield  # closing the file releases the lock
-
-
-def _acquire(lock: IO[str], path: Path) -> None:
-    if _try_lock(lock):
-        return
-    print("gpuflow: waiting for another Prefect API on this PREFECT_HOME to start", file=sys.stderr, flush=True)
-    deadline = time.monotonic() + startup_timeout()
-    while not _try_lock(lock):
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"another Prefect API start held {path} for over {startup_timeout():.0f} s "
-                               f"({STARTUP_TIMEOUT_ENV}); "
-                               "set PREFECT_API_URL to use a running server")
-        time.sleep(0.2)
-
-
-def _try_lock(lock: IO[str]) -> bool:
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except BlockingIOError:
-        return False
+    with open(path, "a") as lock:  # closing the file releases the lock
+        deadline = None
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if deadline is None:
+                    print("gpuflow: waiting for another Prefect API on this PREFECT_HOME to start", file=sys.stderr,
+                          flush=True)
+                    deadline = time.monotonic() + startup_timeout()
+                elif time.monotonic() > deadline:
+                    raise RuntimeError(f"another Prefect API start held {path} for over {startup_timeout():.0f} s "
+                                       f"({STARTUP_TIMEOUT_ENV}); set PREFECT_API_URL to use a running server")
+                time.sleep(0.2)
+        yield
 
 
 @contextmanager
@@ -132,20 +124,14 @@ def _start_server() -> str:
     return url
 
 
-def wait_until_up(server: subprocess.Popen, url: str, log: IO[str] | None = None) -> None:
+def wait_until_up(server: subprocess.Popen, url: str, log: IO[str]) -> None:
     """Returns once the server at url answers (its migrations done); raises if it exits or is late."""
     deadline = time.monotonic() + startup_timeout()
     while http_status(url + "/health") != 200:
         if server.poll() is not None:
-            raise RuntimeError(f"the Prefect API exited ({server.returncode}): {_tail(log)}")
+            log.seek(0)
+            raise RuntimeError(f"the Prefect API exited ({server.returncode}): {log.read()[-2000:]}")
         if time.monotonic() > deadline:
             raise RuntimeError(f"the Prefect API on {url} was not up within {startup_timeout():.0f} s "
                                f"({STARTUP_TIMEOUT_ENV})")
         time.sleep(0.2)
-
-
-def _tail(log: IO[str] | None) -> str:
-    if log is None:
-        return "its messages are above"
-    log.seek(0)
-    return log.read()[-2000:]

@@ -16,6 +16,7 @@ from typing import Callable
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
+from prefect.runtime import flow_run
 
 from gpuflow.tasks.child import Stopped
 from gpuflow.tasks.launch import Rendezvous, TrainingFailed, launch_script, launch_training
@@ -24,7 +25,7 @@ from gpuflow.training.contract import RunFolder
 
 from .params import PipelineParams, ScriptParams, worker_config
 from .prepared import prepared, retry_unless_it_repeats
-from .session import Session
+from .session import Session, unique_name
 from .settings import Settings
 
 
@@ -40,6 +41,12 @@ def stem(values: dict) -> str:
     if values.get("script"):
         return Path(values["script"]).stem
     return f"{dataset_label(values.get('model', 'mlp'))}-{dataset_label(values.get('dataset', 'digits'))}"
+
+
+def flow_run_name() -> str:
+    """A training flow run's (and MLflow run's) name: the user's run_name, else <stem>-<the flow run id's start>."""
+    p = flow_run.get_parameters()
+    return p.get("run_name") or unique_name(stem(p))
 
 
 @dataclass

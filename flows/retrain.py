@@ -18,15 +18,10 @@ def retrain(params: RetrainParams) -> dict:
     """Train a challenger with the pipeline and move `champion` to it only if it is better."""
     uri = params.tracking_uri
     try:
-        return challenge(params, uri)
+        with validated_once(PipelineParams.model_construct(**params.pipeline())):  # checked as RetrainParams
+            trained = train_pipeline(**params.pipeline())
+        decision = compare_with_champion(params, store.prepare_store(uri), str(trained["model_version"]),
+                                         trained["run_id"], "retrain")
+        return {"run_id": trained["run_id"], **decision}
     finally:
         store.checkpoint_wal(uri)  # the promotion and the outcome tag are written after the run ends
-
-
-def challenge(params: RetrainParams, uri: str) -> dict:
-    """Train a challenger, evaluate it and the champion on the same data, promote the better."""
-    with validated_once(PipelineParams.model_construct(**params.pipeline())):  # checked as RetrainParams
-        trained = train_pipeline(**params.pipeline())
-    decision = compare_with_champion(params, store.prepare_store(uri), str(trained["model_version"]),
-                                     trained["run_id"], "retrain")
-    return {"run_id": trained["run_id"], **decision}

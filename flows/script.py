@@ -5,25 +5,17 @@ one job function (flows/job.py) with the script's launcher; docs/scripts.md says
 from __future__ import annotations
 
 from prefect import get_run_logger
-from prefect.runtime import flow_run
 
 from gpuflow.tasks.tracking import orphans
 
 from .job import run_job
-from .launchers import Script, stem
+from .launchers import Script, flow_run_name
 from .nodes import place
 from .checked import checked_flow
 from .params import ScriptParams
-from .session import unique_name
 
 
-def script_run_name() -> str:
-    """The flow run's (and MLflow run's) name: the user's run_name, else <script>-<the flow run id's start>."""
-    p = flow_run.get_parameters()
-    return p.get("run_name") or unique_name(stem({"script": p.get("script", "script")}))
-
-
-@checked_flow(ScriptParams, name="train-script", flow_run_name=script_run_name,
+@checked_flow(ScriptParams, name="train-script", flow_run_name=flow_run_name,
               on_crashed=[orphans.end_flow_run_mlflow_runs], on_cancellation=[orphans.end_flow_run_mlflow_runs])
 def train_script(params: ScriptParams) -> dict:
     """Run your torchrun script on the best devices of this host (or of `nodes` machines) and log one MLflow run."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from prefect import get_run_logger
 from prefect.runtime import deployment, flow_run
 
 from gpuflow.tasks.tracking import store
@@ -67,6 +68,8 @@ def training_session(params, batch_size: int | None = None, precision: str | Non
             report = probe_environment()
         with timer("assign"):
             plan = assign_devices(report, params, batch_size, precision)
+        for warning in plan.warnings:  # a card shared with another program trains slower, or runs out of memory
+            get_run_logger().warning("%s", warning)
         with card_locks(plan) as locks:
             yield Session(params, report, plan, locks.fds, timer)
 

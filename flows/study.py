@@ -183,9 +183,7 @@ def summarize(study, parent: tracked.TrackedRun, metric: str) -> dict:
 
     complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
     table = study.trials_dataframe(attrs=("number", "value", "params", "state", "duration", "user_attrs"))
-    with tempfile_path("trials.csv") as p:
-        table.to_csv(p, index=False)
-        parent.client.log_artifact(parent.run_id, str(p), "sweep")
+    parent.client.log_text(parent.run_id, table.to_csv(index=False), "sweep/trials.csv")
     states = {s.name.lower(): n for s in TrialState if (n := sum(1 for t in study.trials if t.state == s))}
     parent.log_metrics({f"sweep.trials_{k}": v for k, v in states.items()})
     if not complete:
@@ -195,14 +193,6 @@ def summarize(study, parent: tracked.TrackedRun, metric: str) -> dict:
     parent.log_params({f"best.{k}": v for k, v in best.params.items()} | {"best.trial": best.number})
     return {"best_trial": best.number, "best_value": best.value, "best_params": best.params,
             "best_run_id": best.user_attrs.get("mlflow_run_id"), "trials": states}
-
-
-@contextmanager
-def tempfile_path(name: str):
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as d:
-        yield Path(d) / name
 
 
 @contextmanager

@@ -154,6 +154,7 @@ def run_trials(kept: Kept, space: dict[str, Distribution], params: SweepParams, 
             t.stop.set()
         wait(list(running), timeout=120)
         for t in running.values():
+            t.store()
             kept.cut_off(t.trial.number, "the sweep was stopped")
             slots.give_back(t.slot)
         raise
@@ -176,6 +177,7 @@ def tell(study, t: Trial, fut: Future, log):
     from optuna.trial import TrialState
 
     error = fut.exception()
+    t.store()
     if error is None and t.pruned_at is not None:
         study.tell(t.trial, state=TrialState.PRUNED)
         log.info("trial %d: pruned after epoch %d", t.trial.number, t.pruned_at)

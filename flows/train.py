@@ -5,25 +5,17 @@
 from __future__ import annotations
 
 from prefect import get_run_logger
-from prefect.runtime import flow_run
 
 from gpuflow.tasks.tracking import orphans
 
 from .job import run_job
-from .launchers import Worker, stem
+from .launchers import Worker, flow_run_name
 from .nodes import place
 from .checked import checked_flow
 from .params import PipelineParams
-from .session import unique_name
 
 
-def run_name() -> str:
-    """The flow run's (and MLflow run's) name: the user's run_name, else <model>-<dataset>-<the flow run id's start>."""
-    p = flow_run.get_parameters()
-    return p.get("run_name") or unique_name(stem(p))
-
-
-@checked_flow(PipelineParams, name="train-pipeline", flow_run_name=run_name,
+@checked_flow(PipelineParams, name="train-pipeline", flow_run_name=flow_run_name,
               on_crashed=[orphans.end_flow_run_mlflow_runs], on_cancellation=[orphans.end_flow_run_mlflow_runs])
 def train_pipeline(params: PipelineParams) -> dict:
     """Train a model on the best devices of this host (or of `nodes` machines) and log one MLflow run."""

@@ -8,6 +8,7 @@ import fnmatch
 import os
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,8 @@ from .job import Placement, run_job
 from .launchers import Script, Worker, own_metrics
 from .params import Devices, PipelineParams, ScriptParams, SweepParams
 from .space import SweepError, with_values
+
+STORE_EVERY_S = 1.0  # a trial's values reach the study at most this often (each is a database write), all at its end
 
 
 def check_cards(params: SweepParams, report: EnvironmentReport) -> None:
@@ -119,15 +122,19 @@ class Trial:
     stop: threading.Event = field(default_factory=threading.Event)
     pruning: Any = None  # study.Pruning: whether its values so far are pruned
     reported: dict[int, float] = field(default_factory=dict)  # step: the optimized metric, as reported
+    stored: set[int] = field(default_factory=set)  # the steps written to the study so far
+    stored_at: float = 0.0
     pruned_at: int | None = None
     missing: list[str] | None = None
     run_id: str | None = None
     result: dict | None = None  # rank 0's, once it finished: what registering it needs
 
-
-def trial_tags(t: Trial, parent_id: str, study_name: str) -> dict:
-    return {"mlflow.parentRunId": parent_id, "sweep.study": study_name, "sweep.trial": t.trial.number,
-            "sweep.slot": t.slot.label}
+    def store(self) -> None:
+        """The values reported since the last call, written to the study (a database write per value)."""
+        for step in sorted(self.reported.keys() - self.stored):
+            self.trial.report(self.reported[step], step)
+            self.stored.add(step)
+        self.stored_at = time.monotonic()
 
 
 def reporter(t: Trial, params: SweepParams, metric: str):
@@ -140,8 +147,9 @@ def reporter(t: Trial, params: SweepParams, metric: str):
             t.missing = sorted(k for k in metrics if k.startswith("val_"))
             t.stop.set()
             return
-        t.trial.report(metrics[metric], step)
         t.reported[step] = metrics[metric]
+        if time.monotonic() - t.stored_at >= STORE_EVERY_S:  # the pruner decides on `reported` meanwhile
+            t.store()
         if params.pruner != "none" and t.pruning.says(t.trial.number, t.reported):
             t.pruned_at = step
             t.stop.set()
@@ -176,9 +184,11 @@ def run_trial(t: Trial, params: SweepParams, parent_id: str, metric: str, study_
             raise Stopped()  # the sweep is being stopped
         run.client.set_tag(run.run_id, "sweep.pruned", f"after epoch {t.pruned_at}")
 
-    done = run_job(launcher, Placement(
-        slot=False, name=name, register=False, tags=trial_tags(t, parent_id, study_name), stop=t.stop,
-        on_metrics=reporter(t, params, metric), metric=metric, cwd=cwd, on_run=opened, on_stopped=stopped))
+    tags = {"mlflow.parentRunId": parent_id, "sweep.study": study_name, "sweep.trial": t.trial.number,
+            "sweep.slot": t.slot.label}
+    done = run_job(launcher, Placement(slot=False, name=name, register=False, tags=tags, stop=t.stop,
+                                       on_metrics=reporter(t, params, metric), metric=metric, cwd=cwd, on_run=opened,
+                                       on_stopped=stopped))
     if done.get("stopped"):
         return None
     t.result = done

@@ -24,8 +24,10 @@ class DatasetInfo(BaseModel):
     reused: bool = Field(False, description="the prepared file of an earlier run matched the source")
 
 
-def describe_dataset(cfg: TrainConfig) -> DatasetInfo:
-    """Prepare the dataset once, or reuse a matching prepared file; raises DatasetError for data that cannot train."""
+@task(name="prepare-dataset", retry_delay_seconds=5, cache_policy=NO_CACHE)
+def prepare_dataset(cfg: TrainConfig) -> DatasetInfo:
+    """Prepare the dataset once (download, verify, fingerprint), or reuse a matching prepared file; raises
+    DatasetError for data that cannot train."""
     from gpuflow.training import datacache
     from gpuflow.training.refs import is_reference
 
@@ -33,14 +35,10 @@ def describe_dataset(cfg: TrainConfig) -> DatasetInfo:
         return describe_user_data(cfg)
     builtin = cfg.dataset in ("digits", "synthetic")
     found = datacache.lookup(cfg.dataset, cfg.data_root)
-    if cfg.dataset == "synthetic":
-        meta = datacache.synthetic_description(cfg.synthetic_size, cfg.synthetic_side)
-        d = {"cache": None, **meta, "input_shape": list(input_shape_for(cfg.model, tuple(meta["native_shape"])))}
-    elif found:
-        path, meta = found
-        d = {"cache": str(path), "num_samples": meta["num_samples"], "num_classes": meta["num_classes"],
-             "classes": meta["classes"], "input_shape": list(input_shape_for(cfg.model, tuple(meta["native_shape"]))),
-             "sha256": meta["sha256"]}
+    if cfg.dataset == "synthetic" or found:
+        path, meta = found or (None, datacache.synthetic_description(cfg.synthetic_size, cfg.synthetic_side))
+        d = {**meta, "cache": path and str(path),
+             "input_shape": list(input_shape_for(cfg.model, tuple(meta["native_shape"])))}
     else:
         from gpuflow.training.data import prepare
 
@@ -87,9 +85,3 @@ def check_split(cfg: TrainConfig, num_samples: int, world_size: int = 1) -> None
     more = "raise synthetic_size" if cfg.dataset == "synthetic" else "add data"
     check_sizes(f"dataset {cfg.dataset!r} has {num_samples} samples; val_fraction {cfg.val_fraction} leaves {n_train} "
                 f"for training and {n_val} for validation", n_train, n_val, world_size, f"{more}, {tune}")
-
-
-@task(name="prepare-dataset", retry_delay_seconds=5, cache_policy=NO_CACHE)
-def prepare_dataset(cfg: TrainConfig) -> DatasetInfo:
-    """Download or verify the dataset once, record its fingerprint, write the workers' file."""
-    return describe_dataset(cfg)

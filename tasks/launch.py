@@ -25,7 +25,7 @@ from gpuflow.training.contract import (CARD_LOCKS_ENV, CARD_OWNER_ENV, DIST_TIME
 from .child import Stopped, run_child
 from .failure import TrainingFailed, error_folder, failure
 from .devices.assign import DevicePlan
-from .devices.cards import rank_lock_files
+from .devices.cards import CardLocks
 
 if TYPE_CHECKING:  # the request: the flows' parameters
     from gpuflow.flows.params import Machines, Nodes, ScriptParams, Torchrun
@@ -64,14 +64,6 @@ def port_in_use(host: str, port: int) -> bool:
     return False
 
 
-def build_command(plan: DevicePlan, launch: Torchrun, nodes: Nodes, config: Path, result: Path,
-                  rdzv: Rendezvous | None = None) -> list[str]:
-    worker = ["-m", "gpuflow.training", "--config", str(config), "--result", str(result)]
-    if plan.strategy != "ddp":
-        return [sys.executable, *worker]
-    return [*torchrun(plan, launch, nodes, rdzv), *worker]
-
-
 def torchrun(plan: DevicePlan, launch: Torchrun, opts: Nodes | Machines, rdzv: Rendezvous | None = None) -> list[str]:
     """torchrun with the plan's processes per node, restarts and rendezvous."""
     # no --tee/--log-dir for the worker: their log-tailing threads once kept a signalled torchrun from exiting
@@ -100,8 +92,6 @@ def check_rendezvous(opts: Nodes) -> None:
     if not opts.rdzv_endpoint or opts.node_rank != 0:
         return
     host, _, port = opts.rdzv_endpoint.rpartition(":")
-    if not port.isdigit():
-        raise RendezvousError(f"rdzv_endpoint {opts.rdzv_endpoint!r} must be host:port, e.g. 127.0.0.1:29400")
     if host in ("127.0.0.1", "localhost", "0.0.0.0", socket.gethostname()) and port_in_use(host, int(port)):
         raise RendezvousError(f"rendezvous port {port} on {host} is already in use; pick another "
                               "rdzv_endpoint port (or stop what listens there)")
@@ -110,7 +100,7 @@ def check_rendezvous(opts: Nodes) -> None:
 def child_environment(plan: DevicePlan, metrics_file: Path | None = None) -> dict:
     """The plan's device variables, the metrics file global rank 0 appends to, and the cards' lock files that
     every process of the child holds."""
-    env = plan.child_environ()
+    env = {**os.environ, **plan.env}
     env["PYTHONUNBUFFERED"] = "1"
     if plan.nproc_per_node > 1:  # torchrun's own default, set here so it does not print its banner
         env.setdefault("OMP_NUM_THREADS", "1")
@@ -120,7 +110,7 @@ def child_environment(plan: DevicePlan, metrics_file: Path | None = None) -> dic
     if metrics_file:
         env[METRICS_FILE_ENV] = str(metrics_file)
     if plan.uuids:  # the caller holds card_locks(plan), which made these files
-        env[CARD_LOCKS_ENV] = os.pathsep.join(map(str, rank_lock_files(plan)))
+        env[CARD_LOCKS_ENV] = os.pathsep.join(str(CardLocks().path(u, "ranks")) for u in plan.uuids)
         env[CARD_OWNER_ENV] = str(os.getpid())
     return env
 
@@ -134,7 +124,8 @@ def launch(config: Path, plan: DevicePlan, opts: Torchrun, nodes: Nodes, workdir
     folder = RunFolder(workdir)
     result = folder.result
     result.unlink(missing_ok=True)
-    cmd = build_command(plan, opts, nodes, config, result, rdzv)
+    cmd = [*(torchrun(plan, opts, nodes, rdzv) if plan.strategy == "ddp" else [sys.executable]),
+           "-m", "gpuflow.training", "--config", str(config), "--result", str(result)]
     log.info("launching: %s", " ".join(cmd))
     env = child_environment(plan, metrics_file) | {LAUNCH_ATTEMPT_ENV: str(attempt), **error_folder(workdir)}
     if rdzv:
@@ -165,23 +156,6 @@ def launch_training(config: Path, plan: DevicePlan, opts: Torchrun, nodes: Nodes
                   rdzv, stop)
 
 
-def script_environment(plan: DevicePlan, run, tracking_uri: str) -> dict:
-    """The plan's environment plus the MLflow run `run` (a TrackedRun) for the script's own mlflow calls, and its
-    output folder."""
-    from gpuflow.training.uris import absolute_uri
-
-    env = child_environment(plan, run.metrics_file)
-    env.pop("MLFLOW_EXPERIMENT_NAME", None)  # the run's own experiment, set below, is the one
-    env |= {"MLFLOW_RUN_ID": run.run_id, "MLFLOW_EXPERIMENT_ID": run.experiment_id,
-            "MLFLOW_TRACKING_URI": absolute_uri(tracking_uri),
-            "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false",  # the flow runs the one monitor of the run
-            **FRESH_RDZV_STORE,
-            OUTPUT_DIR_ENV: str(RunFolder(run.workdir).outputs)}
-    # the script's own log_metric calls queue and return: training never waits on the store's answer
-    env.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "true")
-    return env
-
-
 @task(name="launch-script", retries=0, cache_policy=NO_CACHE)
 def launch_script(script: str, script_args: list[str], opts: ScriptParams, tracking_uri: str, plan: DevicePlan,
                   run, hold_fds: tuple[int, ...] = (), rdzv: Rendezvous | None = None,
@@ -191,16 +165,24 @@ def launch_script(script: str, script_args: list[str], opts: ScriptParams, track
     logs/script.log."""
     from prefect import get_run_logger
 
+    from gpuflow.training.uris import absolute_uri
+
     log, folder = get_run_logger(), RunFolder(run.workdir)
     folder.outputs.mkdir(parents=True, exist_ok=True)
     # per-rank logs, console lines tagged by rank; training/runscript.py runs it as `python script.py` would
     cmd = [*torchrun(plan, opts, opts, rdzv), f"--log-dir={folder.logs / 'ranks'}", "--tee=3",
            "--log-line-prefix-template=[rank${rank}]:", "-m", "gpuflow.training.runscript", script, *script_args]
     log.info("launching: %s", " ".join(cmd))
-    env = script_environment(plan, run, tracking_uri)
+    env = child_environment(plan, run.metrics_file)
+    env.pop("MLFLOW_EXPERIMENT_NAME", None)  # the run's own experiment, set below, is the one
+    # the script's own log_metric calls queue and return: training never waits on the store's answer
+    env = {"MLFLOW_ENABLE_ASYNC_LOGGING": "true", **env, **FRESH_RDZV_STORE, **error_folder(folder.root),
+           "MLFLOW_RUN_ID": run.run_id, "MLFLOW_EXPERIMENT_ID": run.experiment_id,
+           "MLFLOW_TRACKING_URI": absolute_uri(tracking_uri),
+           "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false",  # the flow runs the one monitor of the run
+           OUTPUT_DIR_ENV: str(folder.outputs), DIST_TIMEOUT_ENV: str(opts.dist_timeout_s),
+           PROCESS_GROUP_FILE_ENV: str(folder.process_group), **(rdzv.environ() if rdzv else {})}
     folder.process_group.unlink(missing_ok=True)  # rank 0 writes it afresh when the script ends well
-    env |= {**error_folder(folder.root), DIST_TIMEOUT_ENV: str(opts.dist_timeout_s),
-            PROCESS_GROUP_FILE_ENV: str(folder.process_group), **(rdzv.environ() if rdzv else {})}
     code, tail = run_child(cmd, env, cwd or Path.cwd(), log, hold_fds, log_file=folder.log("script.log"), stop=stop)
     if code != 0:
         raise failure(Path(script).name, code, folder.root, tail, "script.log")

@@ -26,11 +26,6 @@ def newest_state_file(files: list[Path]) -> Path | None:
     return max(found, key=lambda p: p.stat().st_mtime_ns) if found else None
 
 
-def declared_model(path: Path) -> dict | None:
-    """The model the script declared with gpuflow.training.helper.declare_model, or None."""
-    return json.loads(path.read_text()) if path.is_file() else None
-
-
 def plain_files(root: Path) -> tuple[list[Path], list[str]]:
     """(files under `root` reached through no symbolic link, the links skipped); a linked `root` yields nothing."""
     if root.is_symlink():
@@ -108,7 +103,7 @@ def gather(run: TrackedRun, patterns: list[str], cwd: Path, launched: float | No
     if launched is not None:
         flag_predating(run, [p for p in collected if p.stat().st_mtime < launched], launched, source, cwd)
     found = {"outputs": [str(p.relative_to(outputs)) for p in produced] + [str(p) for p in collected],
-             "model_spec": declared_model(outputs / MODEL_FILE) if outputs / MODEL_FILE in produced else None,
+             "model_spec": json.loads((outputs / MODEL_FILE).read_text()) if outputs / MODEL_FILE in produced else None,
              "checkpoint": None, "weights": None,
              "input_example": next((str(p) for p in produced if p.parent == outputs and p.stem == EXAMPLE_STEM
                                     and p.suffix in (".npy", ".npz")), None)}

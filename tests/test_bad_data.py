@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 
 from gpuflow.flows.params import PipelineParams
-from gpuflow.tasks.data import DatasetInfo, describe_dataset
+from gpuflow.tasks.data import DatasetInfo, prepare_dataset
 from gpuflow.tasks.preflight import preflight
 from gpuflow.training import TrainConfig, datacache
 from gpuflow.training.checkpoint import CheckpointStore
@@ -78,7 +78,7 @@ def fill(folder: Path) -> None:
 def test_an_imagefolder_with_one_class_is_refused_naming_the_class(tmp_path):
     root = image_folder(tmp_path / "pets", classes=("cat",))
     with pytest.raises(DatasetError, match=r"only one class \('cat', all 3 samples\).*at least 2.*add a folder"):
-        describe_dataset(folder_config(root))
+        prepare_dataset.fn(folder_config(root))
 
 
 def test_unreadable_images_are_named_with_the_count_of_the_others(tmp_path):
@@ -87,42 +87,42 @@ def test_unreadable_images_are_named_with_the_count_of_the_others(tmp_path):
     (root / "cat" / "1.png").write_bytes(good[: len(good) // 2])  # truncated
     (root / "dog" / "2.png").write_text("not an image")
     with pytest.raises(DatasetError) as refused:
-        describe_dataset(folder_config(root))
+        prepare_dataset.fn(folder_config(root))
     message = str(refused.value)
     assert repr(str(root / "cat" / "1.png")) in message and "truncated" in message
     assert "and 1 more unreadable images" in message and "\n" not in message
     (root / "cat" / "1.png").write_bytes(good)
     (root / "dog" / "2.png").unlink()
-    assert describe_dataset(folder_config(root)).num_samples == 5  # fixed: accepted
+    assert prepare_dataset.fn(folder_config(root)).num_samples == 5  # fixed: accepted
 
 
 def test_an_empty_class_folder_and_a_folder_without_classes_are_named(tmp_path):
     root = image_folder(tmp_path / "pets")
     (root / "eel").mkdir()
     with pytest.raises(DatasetError, match=r"class folder\(s\) 'eel' hold no images"):
-        describe_dataset(folder_config(root))
+        prepare_dataset.fn(folder_config(root))
     (tmp_path / "bare").mkdir()
     Image.new("RGB", (8, 8)).save(tmp_path / "bare" / "loose.png")
     with pytest.raises(DatasetError, match="has no class folders; expected <path>/<class>/<image>"):
-        describe_dataset(folder_config(tmp_path / "bare"))
+        prepare_dataset.fn(folder_config(tmp_path / "bare"))
 
 
 def test_a_single_label_source_is_refused_again_when_its_prepared_file_is_reused(tmp_path):
     mnist_source(tmp_path, torch.full((20,), 3))
     cfg = TrainConfig(dataset="mnist", data_root=str(tmp_path))
     with pytest.raises(DatasetError, match=r"'mnist' has only one class \('3', all 20 samples\)"):
-        describe_dataset(cfg)
+        prepare_dataset.fn(cfg)
     assert datacache.lookup("mnist", str(tmp_path)) is not None  # prepared and described...
     with pytest.raises(DatasetError, match=r"only one class \('3'"):  # ...and still refused from there
-        describe_dataset(cfg)
+        prepare_dataset.fn(cfg)
 
 
 def test_a_split_that_leaves_no_training_sample_is_refused_with_the_counts():
     cfg = TrainConfig(dataset="synthetic", synthetic_size=3, val_fraction=0.9)
     with pytest.raises(DatasetError, match="has 3 samples; val_fraction 0.9 leaves 0 for training and 3 for "
                                            "validation.*lower val_fraction"):
-        describe_dataset(cfg)
-    assert describe_dataset(cfg.model_copy(update={"val_fraction": 0.5})).train_samples == 1
+        prepare_dataset.fn(cfg)
+    assert prepare_dataset.fn(cfg.model_copy(update={"val_fraction": 0.5})).train_samples == 1
 
 
 def test_preflight_refuses_fewer_training_samples_than_processes():
@@ -136,7 +136,7 @@ def test_preflight_refuses_fewer_training_samples_than_processes():
 
 def test_preflight_refuses_a_built_in_dataset_leaving_a_process_no_validation_sample():
     cfg, opts = TrainConfig(dataset="synthetic", synthetic_size=3), PipelineParams()
-    data = describe_dataset(cfg)  # alone it is fine: 2 to train on, 1 to validate on
+    data = prepare_dataset.fn(cfg)  # alone it is fine: 2 to train on, 1 to validate on
     with pytest.raises(DatasetError, match=r"'synthetic' has 3 samples; val_fraction 0.2 leaves 2 for training and 1 "
                                            r"for validation, but training and validation each need at least 2 "
                                            r"\(one per process\): raise synthetic_size, raise val_fraction, or run fewer"):
@@ -202,7 +202,7 @@ def test_the_prepared_dataset_on_a_full_disk_is_refused_naming_its_path(small_di
     mnist_source(small_disk, torch.arange(20) % 10)
     fill(small_disk)
     with pytest.raises(DiskFull, match=rf"cannot write '{small_disk}/{datacache.CACHE_DIR}/mnist-\w+\.pt'"):
-        describe_dataset(TrainConfig(dataset="mnist", data_root=str(small_disk)))
+        prepare_dataset.fn(TrainConfig(dataset="mnist", data_root=str(small_disk)))
     assert leftovers(small_disk) == [] and not list(small_disk.rglob("*.pt"))
 
 

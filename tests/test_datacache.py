@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpuflow.tasks.data import describe_dataset
+from gpuflow.tasks.data import prepare_dataset
 from tests.helpers import ROOT, result, run_worker
 from tests.test_training_core import _write_idx
 from gpuflow.training import TrainConfig, datacache
@@ -20,8 +20,8 @@ from gpuflow.training.data import DatasetError, load_data
 DESCRIBE = """
 import json, sys
 from gpuflow.training import TrainConfig
-from gpuflow.tasks.data import describe_dataset
-info = describe_dataset(TrainConfig(**json.loads(sys.argv[1])))
+from gpuflow.tasks.data import prepare_dataset
+info = prepare_dataset.fn(TrainConfig(**json.loads(sys.argv[1])))
 print(json.dumps({"info": info.model_dump(), "torch": "torch" in sys.modules,
                   "sklearn": "sklearn" in sys.modules}))
 """
@@ -48,7 +48,7 @@ def test_second_run_reuses_the_prepared_digits_without_importing_torch_or_sklear
 
 
 def test_workers_read_the_prepared_file_and_get_the_same_tensors(tmp_path):
-    info = describe_dataset(TrainConfig(data_root=str(tmp_path), model="cnn"))
+    info = prepare_dataset.fn(TrainConfig(data_root=str(tmp_path), model="cnn"))
     a = load_data(TrainConfig(data_root=str(tmp_path), model="cnn", data_cache=info.cache))
     b = load_data(TrainConfig(data_root=str(tmp_path), model="cnn"))
     for part in ("train", "val"):
@@ -72,20 +72,20 @@ def _mnist(root: Path, seed: int) -> None:
 def test_a_changed_source_gets_a_fresh_prepared_file(tmp_path):
     _mnist(tmp_path, seed=0)
     cfg = TrainConfig(dataset="mnist", data_root=str(tmp_path), val_fraction=0.25)
-    a = describe_dataset(cfg)
-    assert not a.reused and describe_dataset(cfg).reused
+    a = prepare_dataset.fn(cfg)
+    assert not a.reused and prepare_dataset.fn(cfg).reused
     stored = torch.load(a.cache, weights_only=True)
     assert stored["x"].dtype == torch.uint8 and tuple(stored["x"].shape) == (40, 1, 28, 28)  # compact
     _mnist(tmp_path, seed=1)  # the source is replaced: different images
-    b = describe_dataset(cfg)
+    b = prepare_dataset.fn(cfg)
     assert not b.reused and b.cache != a.cache and b.sha256 != a.sha256
     assert b.sha256 == load_data(cfg).fingerprint["sha256"]
 
 
 def test_a_truncated_prepared_file_is_rebuilt_and_an_unreadable_one_names_the_fix(tmp_path):
-    info = describe_dataset(TrainConfig(data_root=str(tmp_path)))
+    info = prepare_dataset.fn(TrainConfig(data_root=str(tmp_path)))
     Path(info.cache).write_bytes(Path(info.cache).read_bytes()[:100])
-    again = describe_dataset(TrainConfig(data_root=str(tmp_path)))
+    again = prepare_dataset.fn(TrainConfig(data_root=str(tmp_path)))
     assert not again.reused and again.cache == info.cache and again.sha256 == info.sha256
     Path(info.cache).write_bytes(b"not a torch file")
     with pytest.raises(DatasetError, match="Delete it"):
@@ -94,7 +94,7 @@ def test_a_truncated_prepared_file_is_rebuilt_and_an_unreadable_one_names_the_fi
 
 def test_a_prepared_file_corrupted_in_place_is_rebuilt_from_the_source(tmp_path):
     cfg = TrainConfig(data_root=str(tmp_path))
-    info = describe_dataset(cfg)
+    info = prepare_dataset.fn(cfg)
     cache = Path(info.cache)
     good = cache.read_bytes()
     meta = json.loads(cache.with_suffix(".json").read_text())
@@ -107,9 +107,9 @@ def test_a_prepared_file_corrupted_in_place_is_rebuilt_from_the_source(tmp_path)
     cache.write_bytes(bytes(bad))
     assert cache.stat().st_size == len(good)
     x_bad = datacache.load(str(cache))[0]  # silent bit rot: no error, other pixels
-    again = describe_dataset(cfg)
+    again = prepare_dataset.fn(cfg)
     assert not again.reused and again.cache == info.cache and again.sha256 == info.sha256
-    fresh = describe_dataset(TrainConfig(data_root=str(tmp_path / "fresh")))
+    fresh = prepare_dataset.fn(TrainConfig(data_root=str(tmp_path / "fresh")))
     assert cache.read_bytes() == Path(fresh.cache).read_bytes() == good  # a fresh build, byte for byte
     assert not torch.equal(x_bad, datacache.load(str(cache))[0])
-    assert describe_dataset(cfg).reused
+    assert prepare_dataset.fn(cfg).reused

@@ -152,7 +152,7 @@ CHILD = ("import json, os, torch; print(json.dumps({'cvd': os.environ.get('CUDA_
 
 def test_child_process_receives_the_plan():
     plan = assign_devices_for(FOUR, PipelineParams(gpus="3,1", strategy="dp"), 64)
-    out = subprocess.run([sys.executable, "-c", CHILD], env=plan.child_environ(),
+    out = subprocess.run([sys.executable, "-c", CHILD], env={**os.environ, **plan.env},
                          capture_output=True, text=True, check=True).stdout
     seen = json.loads(out)
     assert seen["cvd"] == "3,1" and seen["order"] == "PCI_BUS_ID"
@@ -164,7 +164,7 @@ def test_child_process_receives_the_plan():
 def test_child_sees_exactly_the_assigned_real_gpu():
     report = read_environment()
     plan = assign_devices_for(report, PipelineParams(gpus=f"{report.gpus[-1].index},"), 8)
-    seen = json.loads(subprocess.run([sys.executable, "-c", CHILD], env=plan.child_environ(),
+    seen = json.loads(subprocess.run([sys.executable, "-c", CHILD], env={**os.environ, **plan.env},
                                      capture_output=True, text=True, check=True).stdout)
     assert seen["count"] == 1 and seen["cvd"] == str(report.gpus[-1].index)
 

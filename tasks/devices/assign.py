@@ -89,12 +89,6 @@ class DevicePlan(BaseModel):
     env: dict[str, str] = {}
     warnings: list[str] = []
 
-    def child_environ(self, base: dict[str, str] | None = None) -> dict[str, str]:
-        """The environment a child must start with: base plus the plan's device variables."""
-        env = dict(os.environ if base is None else base)
-        env.update(self.env)
-        return env
-
     def describe(self) -> str:
         if self.device == "cpu":
             return f"cpu x{self.nproc_per_node}"

@@ -155,11 +155,6 @@ class CardLocks:
         self._fds.clear()
 
 
-def rank_lock_files(plan: DevicePlan) -> list[Path]:
-    """The `.ranks` files of the plan's cards, which each process using them holds (shared)."""
-    return [CardLocks().path(uuid, "ranks") for uuid in plan.uuids]
-
-
 @contextmanager
 def card_locks(plan: DevicePlan):
     """Hold the plan's cards for the block (the kernel drops the locks if this process dies)."""

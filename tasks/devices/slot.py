@@ -87,10 +87,6 @@ def _run_log() -> logging.Logger | logging.LoggerAdapter:
         return log
 
 
-def _holder_files(name: str) -> list[Path]:
-    return sorted(lock_dir().glob(f"{name}.*.slot"))
-
-
 @contextmanager
 def _holder_file(name: str, lease: UUID):
     """`<limit>.<lease>.slot` in the lock folder, flocked for the block: the kernel drops it if this process dies."""
@@ -119,7 +115,7 @@ def _holder_text() -> str:
 def _release_dead_holders(client, name: str) -> tuple[list[str], int]:
     """Release the lease of every holder file no living process locks; (who holds the others, how many freed)."""
     holders, freed = [], 0
-    for path in _holder_files(name):
+    for path in sorted(lock_dir().glob(f"{name}.*.slot")):
         lease = _lease_of(path)
         if lease is None:
             continue  # a stray or planted name: nothing to release

@@ -32,15 +32,17 @@ def owner_alive(tags: dict[str, str]) -> bool:
         return False
 
 
+def running(client: MlflowClient, tag: str, value: str) -> list:
+    """The RUNNING runs of every experiment with tag `tag` = `value`."""
+    ids = [e.experiment_id for e in client.search_experiments()]
+    return client.search_runs(ids, f"attributes.status = 'RUNNING' and tags.`{tag}` = '{value}'") if ids else []
+
+
 def reap_orphaned_runs(client: MlflowClient) -> list[str]:
     """Mark KILLED every RUNNING run of this host whose owner process is gone; their ids."""
     host = socket.gethostname()
-    ids = [e.experiment_id for e in client.search_experiments()]
-    if not ids:
-        return []
-    found = client.search_runs(ids, f"attributes.status = 'RUNNING' and tags.`{OWNER_HOST}` = '{host}'")
     reaped = []
-    for run in found:
+    for run in running(client, OWNER_HOST, host):
         if owner_alive(run.data.tags):
             continue
         end_run(client, run.info.run_id, "KILLED",
@@ -71,10 +73,6 @@ def end_flow_run_mlflow_runs(flow, flow_run, state) -> None:
     Prefect's runner calls it in its own process, where the flow's `finally` never ran."""
     uri = hooked_store((flow_run.parameters or {}).get("tracking_uri"))
     client = open_store(uri)  # under the lock: a run starting beside it may be creating the file
-    ids = [e.experiment_id for e in client.search_experiments()]
-    if not ids:
-        return
-    runs = client.search_runs(ids, f"attributes.status = 'RUNNING' and tags.`{FLOW_RUN_TAG}` = '{flow_run.id}'")
-    for run in runs:
+    for run in running(client, FLOW_RUN_TAG, str(flow_run.id)):
         end_run(client, run.info.run_id, "KILLED",
                 f"Prefect flow run {flow_run.name} ended {state.name}: {state.message or 'no message'}")

@@ -24,8 +24,7 @@ def model_requirements(reference: str, code_paths: list[str], code_root: str | N
     found = {canonicalize_name(d): pinned(d) for d in [*LOADER, *distributions(modules)]}
     root = Path(code_root).resolve() if code_root else None
     if root and any(root in Path(p).resolve().parents for p in code_paths):
-        for line in declared(root):
-            found[canonicalize_name(Requirement(line).name)] = line
+        found |= declared(root)
     return list(found.values())
 
 
@@ -59,8 +58,8 @@ def pinned(distribution: str) -> str:
     return f"{distribution}=={version(distribution).split('+')[0]}"
 
 
-def declared(root: Path) -> list[str]:
-    """The dependencies `root` declares: pyproject.toml's [project].dependencies, then requirements.txt."""
+def declared(root: Path) -> dict[str, str]:
+    """The dependencies `root` declares, by name: pyproject.toml's [project].dependencies, then requirements.txt."""
     lines = []
     try:
         lines += tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]
@@ -68,12 +67,10 @@ def declared(root: Path) -> list[str]:
         pass
     if (root / "requirements.txt").is_file():
         lines += [ln.split(" #")[0].strip() for ln in (root / "requirements.txt").read_text().splitlines()]
-    return [ln for ln in lines if isinstance(ln, str) and ln and not ln.startswith(("#", "-")) and _is_requirement(ln)]
-
-
-def _is_requirement(line: str) -> bool:
-    try:
-        Requirement(line)
-    except InvalidRequirement:
-        return False
-    return True
+    found = {}
+    for ln in lines:
+        try:
+            found[canonicalize_name(Requirement(ln).name)] = ln
+        except (InvalidRequirement, TypeError):  # a comment, an option (-r, -e), a non-string in pyproject
+            pass
+    return found

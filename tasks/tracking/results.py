@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import tempfile
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import mlflow
@@ -71,13 +71,10 @@ def model_signature(example_file: str | None, outputs: list[dict] | None) -> tup
 
 
 @contextmanager
-def quiet_logger(name: str | None):
-    """`name`'s warnings off for the block; None changes nothing."""
+def quiet_logger(name: str):
+    """`name`'s warnings off for the block."""
     import logging
 
-    if name is None:
-        yield
-        return
     logger = logging.getLogger(name)
     level, logger.level = logger.level, logging.ERROR
     try:
@@ -116,7 +113,7 @@ def register_model(run: TrackedRun, result: dict, registered_name: str, code_roo
     # pyfunc.log_model's steps without its check that predicts the example, which would import torch into the flow
     model = run.client.create_logged_model(run.experiment_id, name="model", source_run_id=run.run_id)
     with failed_unless_ready(run.client, model.model_id), tempfile.TemporaryDirectory() as tmp, \
-            quiet_logger("mlflow.pyfunc" if signature is None else None):  # no "Failed to infer" warning
+            (quiet_logger("mlflow.pyfunc") if signature is None else nullcontext()):  # no "Failed to infer" warning
         reference, code_paths = model_code(result["model_spec"], code_root, Path(tmp))
         reqs = model_requirements(reference, code_paths, code_root)
         mlflow.pyfunc.save_model(

@@ -4,11 +4,12 @@ Only named values are ever logged: never the environment wholesale."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import sqlite3
 import subprocess
-from contextlib import closing, contextmanager
+from contextlib import closing
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -51,7 +52,8 @@ def open_store(uri: str) -> MlflowClient:
     if (db_path := sqlite_path(uri)) is None:
         return MlflowClient(uri)
     db_path.parent.mkdir(parents=True, exist_ok=True)
-    with _exclusive(db_path.with_name(db_path.name + "-lock")):  # flows started together would each create tables
+    with open(db_path.with_name(db_path.name + "-lock"), "a") as lock:  # closing it releases the flock
+        fcntl.flock(lock, fcntl.LOCK_EX)  # flows started together would each create tables
         client = MlflowClient(uri)
         client.search_experiments(max_results=1)  # creates the tables if missing
         with sqlite3.connect(db_path, timeout=30) as db:
@@ -71,19 +73,6 @@ def checkpoint_wal(uri: str, busy_timeout_s: float = 2.0) -> bool:
     except sqlite3.Error:  # locked or unreadable: the data is safe in the log either way
         return False
     return busy == 0
-
-
-@contextmanager
-def _exclusive(lock_path: Path):
-    """An exclusive lock between processes on this host (released if the holder dies)."""
-    import fcntl
-
-    with open(lock_path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def ensure_experiment(client: MlflowClient, name: str) -> str:

@@ -146,11 +146,10 @@ class MetricsRelay(threading.Thread):
                 except Exception as e:  # noqa: BLE001 - the run goes on; a replacement resumes from an older one
                     print(f"gpuflow: could not upload {p.name}: {type(e).__name__}: {e}", flush=True)
 
-    def finish(self) -> int:
-        """Stop after logging everything in the file now; returns the lines logged."""
+    def finish(self) -> None:
+        """Stop after logging everything in the file now."""
         self._halt.set()
         self.join()
-        return self.logged
 
 
 @dataclass
