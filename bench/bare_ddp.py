@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gpuflow.training.config import TrainConfig  # noqa: E402  (data only, to feed identical tensors)
 from gpuflow.training.data import load_data  # noqa: E402
-from gpuflow.training.builder import build_model  # noqa: E402
+from gpuflow.training.builder import make_model  # noqa: E402
 
 
 class SimpleNN(nn.Module):
@@ -65,8 +65,8 @@ def main():
     bundle = load_data(TrainConfig(dataset=args.dataset, synthetic_size=args.synthetic_size,
                                    synthetic_side=args.synthetic_side, model=args.model), fingerprint=False)
     dataset = TensorDataset(bundle.train.x, bundle.train.y)
-    model = SimpleNN() if args.model == "mlp" else build_model(args.model, bundle.num_classes,
-                                                                tuple(bundle.train.x.shape[1:]))
+    model = SimpleNN() if args.model == "mlp" else make_model(args.model, bundle.num_classes,
+                                                               tuple(bundle.train.x.shape[1:]))[0]
     train(model, dataset, args.epochs, args.batch_size, ddp, rank, world, args.lr, args.optimizer,
           bundle.val if args.val_each_epoch else None)
     if args.val and rank == 0:

@@ -42,9 +42,9 @@ def build(name: str, num_classes: int, shape: tuple[int, ...]) -> nn.Module:
         from torchvision.models import resnet18
 
         return resnet18(weights=None, num_classes=num_classes)
-    from gpuflow.training.builder import build_model
+    from gpuflow.training.builder import make_model
 
-    return build_model(name, num_classes, shape)
+    return make_model(name, num_classes, shape)[0]
 
 
 def main(argv=None):

@@ -131,7 +131,7 @@ def launch(config: Path, plan: DevicePlan, opts: Torchrun, nodes: Nodes, workdir
     if rdzv:
         env |= rdzv.environ()
     try:
-        code, tail = run_child(cmd, env, workdir, log, hold_fds, log_file=folder.log("worker.log"), stop=stop)
+        code, tail = run_child(cmd, env, workdir, log, hold_fds, log_file=folder.logs / "worker.log", stop=stop)
     except Stopped:
         log.info("training stopped by the flow")
         return {"stopped": True, "final_metrics": {}}
@@ -183,6 +183,6 @@ def launch_script(script: str, script_args: list[str], opts: ScriptParams, track
            OUTPUT_DIR_ENV: str(folder.outputs), DIST_TIMEOUT_ENV: str(opts.dist_timeout_s),
            PROCESS_GROUP_FILE_ENV: str(folder.process_group), **(rdzv.environ() if rdzv else {})}
     folder.process_group.unlink(missing_ok=True)  # rank 0 writes it afresh when the script ends well
-    code, tail = run_child(cmd, env, cwd or Path.cwd(), log, hold_fds, log_file=folder.log("script.log"), stop=stop)
+    code, tail = run_child(cmd, env, cwd or Path.cwd(), log, hold_fds, log_file=folder.logs / "script.log", stop=stop)
     if code != 0:
         raise failure(Path(script).name, code, folder.root, tail, "script.log")

@@ -17,14 +17,14 @@ def check_resume(cfg, num_classes: int | None, input_shape: list[int] | None) ->
     """An explicit resume file must exist, hold only tensors, and fit the model."""
     if cfg.resume in ("auto", "never"):
         return
-    from gpuflow.training.builder import build_model
+    from gpuflow.training.builder import make_model
     from gpuflow.training.checkpoint import CheckpointError, load_file, load_model_state
 
     payload = load_file(cfg.resume)
     if "model" not in payload:
         raise CheckpointError(f"checkpoint {cfg.resume!r} has no 'model' entry; it was not written "
                               "by gpuflow (keys: " + ", ".join(map(str, list(payload)[:8])) + ")")
-    model = build_model(cfg.model, num_classes, input_shape, cfg.model_args, cfg.code_root)
+    model = make_model(cfg.model, num_classes, input_shape, cfg.model_args, cfg.code_root)[0]
     load_model_state(model, payload["model"], source=f"checkpoint {cfg.resume!r}")
 
 

@@ -28,7 +28,8 @@ from gpuflow.tasks.tracking import registry
 from gpuflow.tasks.devices.cards import CardLocks
 from gpuflow.tasks.devices.probe import EnvironmentReport, GpuInfo
 from gpuflow.training import TrainConfig
-from gpuflow.training.cardlock import CARD_LOCKS_ENV, OWNER_ENV, hold_card_locks
+from gpuflow.training.cardlock import CARD_LOCKS_ENV, hold_card_locks
+from gpuflow.training.contract import CARD_OWNER_ENV as OWNER_ENV
 from gpuflow.training.errors import UserError
 from gpuflow.training.models import SimpleNN
 from tests.helpers import ROOT, child_env

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from tests.helpers import result, run_worker
-from gpuflow.training.checkpoint import load_file, load_model_state
+from gpuflow.training.checkpoint import load_file, load_model_state, model_state
 from gpuflow.training.models import SimpleNN
 
 # 515 synthetic samples, 25% held out -> 129 validation samples (odd: not divisible by 2)
@@ -70,6 +70,23 @@ def test_ddp_checkpoint_loads_into_bare_model_dp_wrapper_and_fresh_ddp_run(runs,
     res = result(fresh)
     assert res["resumed_from"] == ckpt
     assert [h["epoch"] for h in res["history"]] == [1, 2, 3]
+
+
+def test_a_models_own_submodule_named_module_is_saved_and_loaded_whole():
+    class Net(nn.Module):  # `module` is the user's layer here, not a wrapper's
+        def __init__(self):
+            super().__init__()
+            self.module, self.head = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    model = Net()
+    for wrapped in (model, nn.DataParallel(model)):
+        saved = model_state(wrapped)
+        assert sorted(saved) == ["head.bias", "head.weight", "module.bias", "module.weight"]
+        target = Net()
+        load_model_state(target, saved)
+        assert torch.equal(target.module.weight, model.module.weight)
+        load_model_state(target, {f"module.{k}": v for k, v in saved.items()})  # as DDP's own state_dict has it
+        assert torch.equal(target.head.bias, model.head.bias)
 
 
 def test_file_with_module_prefixed_keys_loads(tmp_path):

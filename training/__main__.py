@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from . import contract
 from .cardlock import hold_card_locks
 from .errors import TrainingDiverged, UserError
-from .files import atomic_write, write_json_atomic
+from .files import write_json_atomic
 from .lifetime import die_with_parent, exit_on_sigterm
 
 
@@ -45,7 +45,8 @@ def run(config_path: str, result_path: str | None, freeze_imports: bool = False)
 
 def _train(cfg, metrics, config_path: str, result_path: str | None, freeze_imports: bool) -> dict:
     from . import data, distributed
-    from .example import model_example, npy_bytes
+    from .example import model_example, save_example
+    from .metrics import EXAMPLE_STEM
     from .reproducible import seed_everything, set_determinism
     from .trainer import Trainer
 
@@ -64,9 +65,7 @@ def _train(cfg, metrics, config_path: str, result_path: str | None, freeze_impor
             result["weights"] = str(trainer.save_weights(folder.weights))
             example, result["output_spec"] = model_example(trainer.model, trainer.bundle.val, trainer.device)
             if example is not None:
-                data, suffix = npy_bytes(example)
-                result["input_example"] = str(atomic_write(folder.input_example(suffix),
-                                                           lambda tmp: tmp.write_bytes(data)))
+                result["input_example"] = str(save_example(folder.root / EXAMPLE_STEM, example))
             write_json_atomic(out, result)
         distributed.barrier(ctx)  # a rank tearing gloo down while rank 0 still writes can abort (SIGABRT)
         return result
@@ -90,14 +89,10 @@ def main(argv=None) -> int:
     try:
         hold_card_locks()  # before the card is touched: no new run gets it until this process is gone
         run(args.config, args.result, freeze_imports=True)
-    except (UserError, ValidationError) as e:
+    except (UserError, ValidationError, TrainingDiverged) as e:
         print(f"[rank {rank}] error: {e}", file=sys.stderr, flush=True)
         contract.write_error(e, deterministic=True, located=False)
-        return 2
-    except TrainingDiverged as e:
-        print(f"[rank {rank}] error: {e}", file=sys.stderr, flush=True)
-        contract.write_error(e, deterministic=True, located=False)
-        return 3
+        return 3 if isinstance(e, TrainingDiverged) else 2
     except Exception as e:  # the user's code, or a bug: its traceback, and the cause for the flow
         contract.write_error(e, deterministic=not contract.made_progress(started, _checkpoint_dir(args.config)))
         raise

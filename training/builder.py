@@ -53,8 +53,3 @@ def make_model(name: str, num_classes: int | None, input_shape, args: dict | Non
         raise CodeReferenceError(f"model {name!r} returned a {type(model).__name__}, not an nn.Module; "
                                  "name an nn.Module class or a function returning a module")
     return model, {"reference": name, "kwargs": kwargs}
-
-
-def build_model(name: str, num_classes: int | None, input_shape, args: dict | None = None,
-                code_root: str | None = None) -> nn.Module:
-    return make_model(name, num_classes, input_shape, args, code_root)[0]

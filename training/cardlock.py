@@ -6,10 +6,10 @@ from __future__ import annotations
 import fcntl
 import os
 
+import psutil
+
 from .contract import CARD_LOCKS_ENV, CARD_OWNER_ENV
 from .errors import UserError
-
-OWNER_ENV = CARD_OWNER_ENV
 
 
 def hold_card_locks(environ: dict | None = None) -> list[int]:
@@ -25,18 +25,8 @@ def hold_card_locks(environ: dict | None = None) -> list[int]:
                             "processes it starts: unset it to run this by hand") from None
         fcntl.flock(fd, fcntl.LOCK_SH)  # waits only while a starting run probes the card, an instant
         fds.append(fd)
-    owner = (os.environ if environ is None else environ).get(OWNER_ENV)
-    if fds and owner and not _alive(int(owner)):
+    owner = (os.environ if environ is None else environ).get(CARD_OWNER_ENV)
+    if fds and owner and not psutil.pid_exists(int(owner)):
         # the run that held the cards ended while this process started: a new run may own them now
         raise SystemExit(f"the gpuflow run (pid {owner}) that holds this process's cards has ended; exiting")
     return fds
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, another user's
-        return True
-    return True

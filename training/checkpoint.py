@@ -31,10 +31,15 @@ class CheckpointError(UserError):
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The plain module inside DataParallel / DDP / torch.compile wrappers."""
-    while hasattr(model, "module") or hasattr(model, "_orig_mod"):
-        model = getattr(model, "module", None) or model._orig_mod
-    return model
+    """The plain module inside DataParallel / DDP / torch.compile wrappers (a model's own submodule named `module`
+    is its own)."""
+    while True:
+        if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+            model = model.module
+        elif hasattr(model, "_orig_mod"):  # torch.compile's OptimizedModule
+            model = model._orig_mod
+        else:
+            return model
 
 
 def to_cpu(obj):
@@ -52,22 +57,19 @@ def to_cpu(obj):
 
 
 def clean_state_dict(state: dict) -> OrderedDict:
-    """Copy of `state` with wrapper prefixes removed (repeatedly: DDP around compile)."""
+    """Copy of `state` without the prefix a wrapper puts on every key (repeatedly: DDP around compile)."""
     state = OrderedDict(state)
-    changed = True
-    while changed:
-        before = list(state)
-        for p in PREFIXES:
-            consume_prefix_in_state_dict_if_present(state, p)
-        changed = list(state) != before
     state.pop("_metadata", None)
+    while state and (p := next((p for p in PREFIXES if all(k.startswith(p) for k in state)), None)):
+        consume_prefix_in_state_dict_if_present(state, p)
     return state
 
 
 def load_model_state(model: nn.Module, state: dict, source: str = "checkpoint") -> None:
     """Load a (possibly prefixed) state dict into `model` or its wrapper, strictly."""
     target = unwrap(model)
-    state = clean_state_dict(state)
+    if set(state) != set(target.state_dict()):  # as saved by a wrapper
+        state = clean_state_dict(state)
     missing = sorted(set(target.state_dict()) - set(state))
     unexpected = sorted(set(state) - set(target.state_dict()))
     if missing or unexpected:
@@ -217,10 +219,8 @@ class CheckpointStore:
 
     def latest(self) -> Path | None:
         """Newest complete checkpoint (temp files never match the name pattern)."""
-        if not self.folder.is_dir():
-            return None
-        found = [(int(m.group(1)), p) for p in self.folder.iterdir() if (m := NAME.match(p.name))]
-        return max(found)[1] if found else None
+        epochs = self.epochs()
+        return self.path_for(epochs[-1]) if epochs else None
 
 
 class BackgroundWriter:

@@ -53,14 +53,6 @@ class RunFolder:
     script_checkpoint = property(lambda self: self.root / "checkpoint")  # a script's, de-prefixed by the flow
     work = property(lambda self: self.root / "work")  # a script's sweep trial runs here: its files its own
 
-    def input_example(self, suffix: str) -> Path:
-        """The registered model's input example: .npy (a tensor) or .npz (named inputs)."""
-        return self.root / f"input_example{suffix}"
-
-    def log(self, name: str) -> Path:
-        """logs/<name>: worker.log, script.log."""
-        return self.logs / name
-
 
 _OURS = (str(Path(__file__).resolve().parent), str(Path(os.__file__).resolve().parent))  # gpuflow's and the stdlib
 
@@ -92,14 +84,6 @@ def ranks() -> Ranks:
     return Ranks(int(env.get("RANK", 0)), int(env.get("LOCAL_RANK", 0)), int(env.get("WORLD_SIZE", 1)),
                  int(env.get("TORCHELASTIC_RESTART_COUNT", 0)), "RANK" in env and "WORLD_SIZE" in env,
                  int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", 1))))
-
-
-def _attempt() -> int:
-    return ranks().restarts
-
-
-def _rank() -> int:
-    return ranks().rank
 
 
 def where(exc: BaseException) -> tuple[str | None, int | None]:
@@ -139,7 +123,7 @@ def write_error(exc: BaseException, deterministic: bool, hint: str = "", located
     file, line = where(exc) if located else (None, None)
     message = (str(exc).strip().splitlines() or [""])[-1 if isinstance(exc, SyntaxError) else 0][:2000]
     _write({"type": type(exc).__name__, "message": message + hint, "file": file, "line": line,
-            "rank": _rank(), "attempt": _attempt(), "time": time.time(),
+            "rank": ranks().rank, "attempt": ranks().restarts, "time": time.time(),
             "deterministic": deterministic and not _between_ranks(exc)}, folder)
 
 
@@ -149,7 +133,7 @@ def _attempt_dir(folder: str | os.PathLike, attempt: int) -> Path:
 
 
 def _write(record: dict, folder: str) -> None:
-    out = _attempt_dir(folder, _attempt()) / f"rank-{_rank()}.json"
+    out = _attempt_dir(folder, ranks().restarts) / f"rank-{ranks().rank}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(record))
@@ -169,14 +153,14 @@ def _records(folder: Path) -> list[dict]:
 def replay_deterministic() -> dict | None:
     """In a restarted rank: the attempt before's deterministic error, recorded for this one too (the caller exits
     instead of running the code again); None otherwise."""
-    folder, attempt = os.environ.get(ERROR_DIR_ENV), _attempt()
+    folder, attempt = os.environ.get(ERROR_DIR_ENV), ranks().restarts
     if not folder or attempt == 0:
         return None
     before = [r for r in _records(_attempt_dir(folder, attempt - 1)) if r["deterministic"]]
     if not before:
         return None
-    _write(before[0] | {"rank": _rank(), "attempt": attempt}, folder)
-    print(f"[rank {_rank()}] not run again: {describe(before[0])} (the attempt before failed the same way "
+    _write(before[0] | {"rank": ranks().rank, "attempt": attempt}, folder)
+    print(f"[rank {ranks().rank}] not run again: {describe(before[0])} (the attempt before failed the same way "
           "before any progress)", file=sys.stderr, flush=True)
     return before[0]
 
@@ -184,7 +168,7 @@ def replay_deterministic() -> dict | None:
 def write_finished() -> None:
     """For a restart: this rank's script ran to its end (gloo may still abort it at exit, pytorch#190489)."""
     if folder := os.environ.get(ERROR_DIR_ENV):
-        out = _attempt_dir(folder, _attempt()) / f"finished-{_rank()}"
+        out = _attempt_dir(folder, ranks().restarts) / f"finished-{ranks().rank}"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.touch()
 

@@ -140,11 +140,6 @@ def prepare(cfg: TrainConfig) -> dict:
         check_images(cfg.dataset, [p for p, _ in folder.samples])
         return {"cache": None, "num_samples": b.fingerprint["num_samples"], "num_classes": b.num_classes,
                 "classes": list(folder.classes), "input_shape": list(b.input_shape), "sha256": b.fingerprint["sha256"]}
-    if cfg.dataset not in datacache.CACHED:
-        b = load_data(cfg)
-        return {"cache": None, "num_samples": b.fingerprint["num_samples"], "num_classes": b.num_classes,
-                "classes": present_classes(torch.cat([b.train.y, b.val.y])), "input_shape": list(b.input_shape),
-                "sha256": b.fingerprint["sha256"]}
     x, y, num_classes = SOURCES[cfg.dataset](cfg)
     fp = _fingerprint(cfg.dataset, _unit(x), y)
     classes = present_classes(y)
@@ -263,18 +258,6 @@ def train_loader(ds: Dataset, cfg: TrainConfig, rank: int, world: int, pin: bool
     return _loader(ds, sampler, cfg.batch_size // world, cfg, pin), sampler
 
 
-class _Shard(torch.utils.data.Sampler):
-    """Every `world`-th index from `rank`: each sample lands on exactly one rank, no padding."""
-
-    def __init__(self, n: int, rank: int, world: int):
-        self.idx = list(range(rank, n, world))
-
-    def __iter__(self):
-        return iter(self.idx)
-
-    def __len__(self) -> int:
-        return len(self.idx)
-
-
 def val_loader(ds: Dataset, cfg: TrainConfig, rank: int, world: int, pin: bool) -> DataLoader:
-    return _loader(ds, _Shard(len(ds), rank, world), max(1, cfg.batch_size // world), cfg, pin)
+    # every `world`-th index from `rank`: each sample on exactly one rank, no padding
+    return _loader(ds, range(rank, len(ds), world), max(1, cfg.batch_size // world), cfg, pin)

@@ -22,7 +22,6 @@ class LaunchError(UserError):
 @dataclass
 class DistContext:
     rank: int
-    local_rank: int
     world_size: int
     device: torch.device
     strategy: str
@@ -69,7 +68,7 @@ def setup(cfg: TrainConfig) -> DistContext:
     if cfg.strategy == "ddp":
         backend = "nccl" if device.type == "cuda" else "gloo"
         init_group(backend, timedelta(seconds=cfg.dist_timeout_s))
-    return DistContext(rank, local_rank, world, device, cfg.strategy)
+    return DistContext(rank, world, device, cfg.strategy)
 
 
 def init_group(backend: str, timeout: timedelta) -> None:

@@ -27,8 +27,8 @@ import torch
 from .cardlock import hold_card_locks
 from .checkpoint import CheckpointError, load_file, load_model_state
 from .config import TrainConfig
-from .builder import build_model
-from .data import TensorData, load_data
+from .builder import make_model
+from .data import load_data
 from .errors import UserError
 from .files import write_json_atomic
 from .policy import Policy
@@ -70,7 +70,7 @@ def _config(payload: dict, checkpoint: str, **overrides) -> TrainConfig:
 
 
 def _model(cfg: TrainConfig, payload: dict, checkpoint: str, num_classes: int, input_shape, dev):
-    model = build_model(cfg.model, num_classes, input_shape, cfg.model_args, cfg.code_root)
+    model = make_model(cfg.model, num_classes, input_shape, cfg.model_args, cfg.code_root)[0]
     load_model_state(model, payload["model"], source=f"checkpoint {checkpoint!r}")
     return model.to(dev).eval()
 
@@ -160,7 +160,7 @@ def evaluate(checkpoint: str, split: str = "val", device: str = "auto", batch_si
     use_cuda = dev.type == "cuda"
     model = _model(cfg, payload, checkpoint, bundle.num_classes or payload.get("num_classes"), bundle.input_shape, dev)
     objective = load_objective(cfg.objective, cfg.code_root)
-    data = bundle.val if split == "val" else _concat(bundle.train, bundle.val)
+    data = bundle.val if split == "val" else torch.utils.data.ConcatDataset([bundle.train, bundle.val])
     loader = torch.utils.data.DataLoader(data, batch_size=batch_size, pin_memory=use_cuda)
     totals = Totals(objective)
     with torch.no_grad():
@@ -186,7 +186,7 @@ def predict(checkpoint: str, inputs: str, device: str = "auto", batch_size: int 
     dev = _device(device)
     if _from_script(payload):  # the declared model's raw outputs
         spec = payload["model_spec"]
-        model = build_model(spec["reference"], None, None, spec["kwargs"], payload.get("code_root"))
+        model = make_model(spec["reference"], None, None, spec["kwargs"], payload.get("code_root"))[0]
         load_model_state(model, payload["model"], source=f"checkpoint {checkpoint!r}")
         out = _outputs(model.to(dev).eval(), x, dev, batch_size, inputs)
         return {"outputs": _listed(out), "samples": batch_len(x), "model": spec["reference"], **_where(dev)}
@@ -234,12 +234,6 @@ def _on_cpu(out, path: str):
 
 def _listed(out) -> list | dict:
     return {k: v.tolist() for k, v in out.items()} if isinstance(out, dict) else out.tolist()
-
-
-def _concat(a, b):
-    if isinstance(a, TensorData) and isinstance(b, TensorData):
-        return torch.utils.data.TensorDataset(torch.cat([a.x, b.x]), torch.cat([a.y, b.y]))
-    return torch.utils.data.ConcatDataset([a, b])
 
 
 def main(argv=None) -> int:

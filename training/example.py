@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import io
 from collections.abc import Mapping
+from pathlib import Path
 
 import torch
 from torch.utils.data import default_collate
 
 from .checkpoint import unwrap
+from .files import atomic_write
 from .objective import apply, call_model, split_batch
 
 
@@ -34,13 +35,14 @@ def model_example(model, val, device, n: int = 2) -> tuple:
     return example, ([spec(None, out)] if isinstance(out, torch.Tensor) and out.dim() > 0 else None)
 
 
-def npy_bytes(example) -> tuple[bytes, str]:
-    """An array as .npy, or named arrays as .npz; (the bytes, the suffix)."""
+def save_example(stem: Path, example) -> Path:
+    """An array as `<stem>.npy`, or named arrays as `<stem>.npz`, written atomically."""
     import numpy as np
 
-    buf = io.BytesIO()
-    if isinstance(example, dict):
-        np.savez(buf, **example)
-        return buf.getvalue(), ".npz"
-    np.save(buf, example)
-    return buf.getvalue(), ".npy"
+    named = isinstance(example, dict)
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as f:  # a file object: numpy adds no suffix of its own
+            np.savez(f, **example) if named else np.save(f, example)
+
+    return atomic_write(stem.with_suffix(".npz" if named else ".npy"), write)

@@ -23,7 +23,7 @@ from torch import nn
 
 from .checkpoint import (CheckpointStore, clean_state_dict, load_file, model_state, rng_state, set_rng_state, to_cpu,
                          unwrap)
-from .files import atomic_write, write_json_atomic
+from .files import write_json_atomic
 from .contract import METRICS_FILE_ENV, OUTPUT_DIR_ENV, RunFolder, ranks
 from .metrics import EXAMPLE_STEM, MODEL_FILE, format_line
 
@@ -58,11 +58,10 @@ def declare_model(reference: str, *, input_example=None, **kwargs) -> None:
     if ":" not in reference:
         raise ValueError(f"declare_model({reference!r}): use package.module:Class or file.py:Class")
     if input_example is not None:
-        from .example import npy_bytes
+        from .example import save_example
 
-        data, suffix = npy_bytes(to_cpu(input_example).numpy() if isinstance(input_example, torch.Tensor)
-                                 else {k: to_cpu(v).numpy() for k, v in input_example.items()})
-        atomic_write(output_dir() / f"{EXAMPLE_STEM}{suffix}", lambda tmp: tmp.write_bytes(data))
+        save_example(output_dir() / EXAMPLE_STEM, to_cpu(input_example).numpy() if isinstance(input_example, torch.Tensor)
+                     else {k: to_cpu(v).numpy() for k, v in input_example.items()})
     write_json_atomic(output_dir() / MODEL_FILE, {"reference": reference, "kwargs": kwargs})
 
 

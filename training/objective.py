@@ -50,12 +50,12 @@ def split_batch(batch) -> tuple[Any, Any]:
     raise TypeError(f"a batch must be a tensor, a tuple/list (inputs..., target) or a dict; got {type(batch).__name__}")
 
 
-def call_model(model: nn.Module, inputs):
+def call_model(model: nn.Module, inputs, **given):
     if isinstance(inputs, dict):
-        return model(**inputs)
+        return model(**inputs, **given)
     if isinstance(inputs, tuple):
-        return model(*inputs)
-    return model(inputs)
+        return model(*inputs, **given)
+    return model(inputs, **given)
 
 
 def apply(obj, fn):
@@ -137,8 +137,6 @@ class Objective:
     """A user objective (or Classification) behind one interface; see the module's doc."""
 
     def __init__(self, spec):
-        self.spec = spec
-        self.name = getattr(spec, "__name__", type(spec).__name__)
         self.loss = spec.loss if hasattr(spec, "loss") else spec
         self.metrics = getattr(spec, "metrics", None)
         self.epoch_metrics = getattr(spec, "epoch_metrics", None)
@@ -149,12 +147,8 @@ class Objective:
 
     def forward(self, model: nn.Module, inputs, target):
         """The model's output for a batch: its inputs, and its target too when the objective asks."""
-        if not self.pass_target_as or target is None:
-            return call_model(model, inputs)
-        given = {self.pass_target_as: target}
-        if isinstance(inputs, dict):
-            return model(**inputs, **given)
-        return model(*inputs, **given) if isinstance(inputs, tuple) else model(inputs, **given)
+        given = {self.pass_target_as: target} if self.pass_target_as and target is not None else {}
+        return call_model(model, inputs, **given)
 
     def batch_metrics(self, output, target) -> dict[str, tuple[torch.Tensor, int]]:
         return dict(self.metrics(output, target)) if self.metrics else {}

@@ -31,17 +31,13 @@ def grace_seconds() -> float:
     return float(os.environ.get(STOP_GRACE_ENV, DEFAULT_GRACE_S))
 
 
-def supervised(cmd: list[str]) -> list[str]:
-    """`cmd` run under the reaper."""
-    return [sys.executable, "-m", "gpuflow.training.reaper", f"--grace={grace_seconds()}", "--", *cmd]
-
-
 def start_supervised(cmd: list[str], reap: bool = True, **popen) -> subprocess.Popen:
     """Start `cmd` under the reaper, which is sent SIGTERM if this process dies, however it dies.
 
     `reap=False` for a server that starts no process of its own: the signal then reaches it directly."""
     parent = os.getpid()
-    return subprocess.Popen(supervised(cmd) if reap else cmd,
+    reaper = [sys.executable, "-m", "gpuflow.training.reaper", f"--grace={grace_seconds()}", "--"]
+    return subprocess.Popen([*reaper, *cmd] if reap else cmd,
                             preexec_fn=lambda: die_with_parent(signal.SIGTERM, parent), **popen)
 
 
@@ -65,11 +61,6 @@ def stop_supervised(procs: list[subprocess.Popen], sig: int = signal.SIGTERM, gr
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
-
-
-def _become_subreaper() -> None:
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
 
 def _below_me() -> list[psutil.Process]:
@@ -100,7 +91,8 @@ class Reaper:
         self.asked = signum
 
     def run(self) -> int:
-        _become_subreaper()
+        if sys.platform.startswith("linux"):
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, self._on_signal)
         # descriptors it inherited (card locks) go on to the command; Python's own are not inheritable

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import sys
@@ -94,9 +93,7 @@ class Trainer:
         return torch.optim.Adam(params, lr=self.cfg.lr)
 
     def _autocast(self):
-        if self.cfg.precision == "fp32":
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=DTYPES[self.cfg.precision])
+        return torch.autocast(self.device.type, DTYPES[self.cfg.precision], enabled=self.cfg.precision != "fp32")
 
     # --- checkpoints --------------------------------------------------------------------
     def _resume(self) -> None:

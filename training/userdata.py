@@ -51,10 +51,6 @@ def prepare_user_data(cfg: TrainConfig) -> bool:
     return True
 
 
-def _is_dataset(d) -> bool:
-    return hasattr(d, "__getitem__") and hasattr(d, "__len__")
-
-
 def user_datasets(cfg: TrainConfig) -> DataBundle:
     """Call the user's dataset factory, which returns (train, val) or {"train", "val"[, "num_classes"]}.
 
@@ -74,7 +70,7 @@ def user_datasets(cfg: TrainConfig) -> DataBundle:
         raise DatasetError(f"{what} returned {got}; return (train, val), two map-style datasets, "
                            "or {'train': ..., 'val': ..., 'num_classes': N}")
     for part, d in (("train", train), ("val", val)):
-        if not _is_dataset(d):
+        if not (hasattr(d, "__getitem__") and hasattr(d, "__len__")):
             raise DatasetError(f"{what}: its {part} set is a {type(d).__name__}, not a map-style dataset "
                                "(__getitem__ and __len__); return torch.utils.data.Dataset objects")
         if len(d) == 0:
