@@ -4,9 +4,8 @@ node of a placed run take alike."""
 from __future__ import annotations
 
 from gpuflow.tasks.data import DatasetInfo, prepare_dataset
-from gpuflow.tasks.launch import TrainingFailed
+from gpuflow.tasks.failure import would_repeat
 from gpuflow.tasks.preflight import preflight
-from gpuflow.training.errors import UserError
 
 from .params import PipelineParams, worker_config
 from .session import Session
@@ -17,12 +16,8 @@ def retry_unless_it_repeats(task, task_run, state) -> bool:
     of bad input or a failure the ranks said would only repeat."""
     try:
         state.result()
-    except UserError:
-        return False
-    except TrainingFailed as e:
-        return not e.deterministic
-    except Exception:
-        return True
+    except Exception as e:  # noqa: BLE001 - a task's failure, whatever it is
+        return not would_repeat(e)
     return True
 
 

@@ -12,9 +12,9 @@ import urllib.parse
 from prefect.runtime import flow_run
 from pydantic import BaseModel, Field
 
+from gpuflow.tasks.failure import would_repeat
 from gpuflow.tasks.launch import Rendezvous, TrainingFailed
 from gpuflow.training.contract import NODE_ADDR_ENV, NODE_DIR_ENV
-from gpuflow.training.errors import UserError
 
 POLL_S = 1.0
 
@@ -113,8 +113,8 @@ def as_a_node(fn):
         os.chdir(os.environ.get(NODE_DIR_ENV, "."))
         try:
             return fn(**values)
-        except (UserError, TrainingFailed) as e:
-            if isinstance(e, TrainingFailed) and not e.deterministic:
+        except Exception as e:  # noqa: BLE001 - only what would repeat is told apart
+            if not would_repeat(e):
                 raise
             return Failed(name=WOULD_REPEAT, message=f"{type(e).__name__}: {str(e).splitlines()[0]}")
 

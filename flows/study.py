@@ -31,13 +31,9 @@ HEARTBEAT_S = 10  # a RUNNING trial whose heartbeat is older than twice this is 
 PRUNE_REFRESH_S = 30.0  # how old the pruner's copy of trials completed by another process may be
 
 
-def study_name(params: SweepParams) -> str:
-    return params.study or default_study(params.model_dump())
-
-
-def default_study(p: dict) -> str:
-    """sweep-<the stem of its runs' names>: sweep-<script>, or sweep-<model>-<dataset>."""
-    return f"sweep-{stem(p)}"
+def study_name(values: dict) -> str:
+    """The sweep's (and its flow run's) study: as given, else sweep-<the stem of its runs' names>."""
+    return values.get("study") or f"sweep-{stem(values)}"
 
 
 def storage_url(params: SweepParams) -> str:
@@ -74,10 +70,10 @@ def open_study(params: SweepParams, direction: str, url: str):
                                          n_startup_trials=min(10, max(2, params.trials // 3)))
     pruner = (optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=0) if params.pruner == "median"
               else optuna.pruners.NopPruner())
-    study = optuna.create_study(storage=storage, study_name=study_name(params), direction=direction,
-                                sampler=sampler, pruner=pruner, load_if_exists=True)
+    study = optuna.create_study(storage=storage, study_name=study_name(params.model_dump()),
+                                direction=direction, sampler=sampler, pruner=pruner, load_if_exists=True)
     if study.direction.name.lower() != direction:
-        raise SweepError(f"study {study_name(params)!r} in {shown(url)} was created to {study.direction.name.lower()}, "
+        raise SweepError(f"study {study.study_name!r} in {shown(url)} was created to {study.direction.name.lower()}, "
                          f"not {direction}; name a new study")
     kept = Kept(study, storage, storage.get_study_id_from_name(study.study_name))
     cut_off_orphans(kept)

@@ -29,7 +29,7 @@ from .launchers import Script
 from .checked import checked_flow
 from .params import SweepParams
 from .space import Distribution, SweepError, read_space
-from .study import (HEARTBEAT_S, Kept, best_so_far, counted, default_study, open_study, storage_url,
+from .study import (HEARTBEAT_S, Kept, best_so_far, counted, open_study, storage_url,
                     plots_beside, study_name, summarize)
 from .trial import Slot, Slots, Trial, run_trial
 
@@ -47,8 +47,7 @@ def objective_target(params: SweepParams) -> tuple[str, str]:
 
 
 def sweep_run_name() -> str:
-    p = flow_run.get_parameters()
-    return p.get("study") or default_study(p)
+    return study_name(flow_run.get_parameters())
 
 
 @checked_flow(SweepParams, name="sweep", flow_run_name=sweep_run_name,
@@ -64,7 +63,7 @@ def sweep(params: SweepParams) -> dict:
     if policy := current_policy():  # the stack's published URL is a Variable any API user may set
         policy.check_storage(url, params.tracking_uri)
     kept = open_study(params, direction, url)
-    study, name = kept.study, study_name(params)
+    study, name = kept.study, kept.study.study_name
     done = counted(study)
     log.info("sweep %s: %d of %d trials done; %d at a time on %s; optimizing %s (%s); study in %s", name, done,
              params.trials, slots.parallel, "GPUs" if slots.gpu else "CPU slots", metric, direction,

@@ -9,6 +9,7 @@ import signal
 from pathlib import Path
 
 from gpuflow.training.contract import ERROR_DIR_ENV, RunFolder, describe, read_error
+from gpuflow.training.errors import UserError
 
 
 class TrainingFailed(RuntimeError):
@@ -17,6 +18,12 @@ class TrainingFailed(RuntimeError):
     def __init__(self, message: str, deterministic: bool = False):
         super().__init__(message)
         self.deterministic = deterministic
+
+
+def would_repeat(e: BaseException) -> bool:
+    """Would running it again, here or on a spare machine, fail the same way: a refusal of bad input, or a
+    failure the ranks said was deterministic?"""
+    return isinstance(e, UserError) or (isinstance(e, TrainingFailed) and e.deterministic)
 
 
 def error_folder(workdir: Path) -> dict:

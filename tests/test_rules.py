@@ -24,10 +24,10 @@ from tests.helpers import ROOT
 ])
 def test_one_rule_names_runs_flow_runs_and_studies(values, stem):
     from gpuflow.flows.launchers import stem as run_stem
-    from gpuflow.flows.study import default_study
+    from gpuflow.flows.study import study_name
 
     assert run_stem(values) == stem
-    assert default_study(values) == f"sweep-{stem}"
+    assert study_name(values) == f"sweep-{stem}" and study_name({**values, "study": "s"}) == "s"
 
 
 @pytest.mark.parametrize("metric, monitor, mode, want", [
