@@ -36,6 +36,7 @@ class Placement:
     cwd: Callable[[tracked.TrackedRun], Path] | None = None  # a script's working folder, given the run
     on_run: Callable[[tracked.TrackedRun], None] | None = None  # told the run once it is open
     on_stopped: Callable[[tracked.TrackedRun], None] | None = None  # a stopped launch: raise, or mark it
+    system_metrics: bool = True  # sample the host (a sweep's trial: its sweep's run does, once for all its trials)
 
 
 def run_job(launcher, where: Placement | None = None) -> dict:
@@ -90,7 +91,8 @@ def job_run(s: Session, launcher, where: Placement, dataset: dict | None) -> Ite
         return
     s.name = name = where.name or current_name(p.run_name, launcher.stem)
     tags = {**run_tags(), **plan_tags(s.plan, p.world_size(s.plan)), **launcher.tags, **where.tags}
-    with tracked.tracked_run(p.tracking_uri, p.experiment, name, tags, dataset, p.runs_dir) as run:
+    with tracked.tracked_run(p.tracking_uri, p.experiment, name, tags, dataset, p.runs_dir,
+                             system_metrics=where.system_metrics) as run:
         run.log_json(s.report.model_dump(mode="json"), "environment_report.json", "environment")
         run.log_json(s.plan.model_dump(mode="json"), "device_plan.json", "environment")
         try:

@@ -172,7 +172,7 @@ def torchvision_mlp(tmp_path_factory):
     result = {"model_spec": {"reference": "torchvision.ops:MLP", "kwargs": MLP_KWARGS},
               "weights": str(base / "weights.pt"), "input_example": str(base / "example.npy"),
               "output_spec": [{"name": None, "dtype": "float32", "shape": [3]}]}
-    with tracked.tracked_run(uri, "installed", "mlp", {}, None, base / "runs", 60) as run:
+    with tracked.tracked_run(uri, "installed", "mlp", {}, None, base / "runs", system_metrics=False) as run:
         assert results.register_model(run, result, "mlp", str(base), "torchvision's MLP") == "1"
     return base, uri
 

@@ -87,6 +87,9 @@ def test_six_trials_two_at_a_time_nest_under_one_run_and_the_best_is_registered(
     assert {r.data.tags["mlflow.parentRunId"] for r in trials} == {parent.info.run_id}
     assert _most_at_once(trials) == 2  # two at a time, never three
     assert {r.data.tags["sweep.slot"] for r in trials} == {"cpu0", "cpu1"}
+    # the host is sampled once, in the sweep's run, not by each trial's monitor again
+    assert any(k.startswith("system/") for k in parent.data.metrics)
+    assert not [k for r in trials for k in r.data.metrics if k.startswith("system/")]
     assert all(r.data.params["world_size"] == "1" for r in trials)  # one CPU slot each
     values = {(r.data.params["lr"], r.data.params["optimizer"]) for r in trials}
     assert len(values) == 6  # every trial its own params

@@ -30,13 +30,13 @@ def _runs(uri: str, experiment: str) -> list:
 
 def test_tracked_run_ends_finished_failed_or_killed_with_the_reason(tmp_path):
     uri = _uri(tmp_path)
-    with tracked.tracked_run(uri, "ends", "ok", {}, DATASET, tmp_path / "runs", 60) as ok:
+    with tracked.tracked_run(uri, "ends", "ok", {}, DATASET, tmp_path / "runs", system_metrics=False) as ok:
         assert ok.workdir == (tmp_path / "runs" / ok.run_id).resolve() and ok.workdir.is_dir()
     with pytest.raises(ValueError):
-        with tracked.tracked_run(uri, "ends", "bad", {}, DATASET, tmp_path / "runs", 60):
+        with tracked.tracked_run(uri, "ends", "bad", {}, DATASET, tmp_path / "runs", system_metrics=False):
             raise ValueError("boom in training")
     with pytest.raises(KeyboardInterrupt):
-        with tracked.tracked_run(uri, "ends", "stopped", {}, DATASET, tmp_path / "runs", 60):
+        with tracked.tracked_run(uri, "ends", "stopped", {}, DATASET, tmp_path / "runs", system_metrics=False):
             raise KeyboardInterrupt
     by_name = {r.info.run_name: r for r in _runs(uri, "ends")}
     assert {n: r.info.status for n, r in by_name.items()} == {"ok": "FINISHED", "bad": "FAILED", "stopped": "KILLED"}
@@ -48,7 +48,8 @@ def test_tracked_run_ends_finished_failed_or_killed_with_the_reason(tmp_path):
 def test_a_run_whose_start_fails_is_marked_failed_not_left_running(tmp_path):
     uri = _uri(tmp_path)
     with pytest.raises(KeyError):
-        with tracked.tracked_run(uri, "half", "bad", {}, {"name": "no digest"}, tmp_path / "runs", 60):
+        with tracked.tracked_run(uri, "half", "bad", {}, {"name": "no digest"}, tmp_path / "runs",
+                                 system_metrics=False):
             pass
     assert mlflow.active_run() is None
     assert [r.info.status for r in _runs(uri, "half")] == ["FAILED"]
@@ -56,7 +57,7 @@ def test_a_run_whose_start_fails_is_marked_failed_not_left_running(tmp_path):
 
 def test_relay_logs_complete_lines_live_and_the_rest_when_it_stops(tmp_path):
     uri = _uri(tmp_path)
-    with tracked.tracked_run(uri, "relay", "r", {}, DATASET, tmp_path / "runs", 60) as run:
+    with tracked.tracked_run(uri, "relay", "r", {}, DATASET, tmp_path / "runs", system_metrics=False) as run:
         client = run.client
         sink = MetricsFile(is_main=True, path=str(run.metrics_file))
         assert MetricsFile(is_main=False, path=str(run.metrics_file))._file is None  # rank 0 only
@@ -80,7 +81,7 @@ OWNER = """
 import sys, time
 from gpuflow.tasks.tracking import orphans, store, tracked
 with tracked.tracked_run(sys.argv[1], "orphans", "victim", {}, {"name": "d", "sha256": "ab" * 32,
-                          "num_samples": 1}, sys.argv[2], 60) as run:
+                          "num_samples": 1}, sys.argv[2], system_metrics=False) as run:
     print(run.run_id, flush=True)
     time.sleep(600)
 """
@@ -97,7 +98,7 @@ def test_a_run_whose_owner_was_killed_outright_is_marked_killed_by_the_next_star
     owner.send_signal(signal.SIGKILL)  # no finally, no exit handler runs
     owner.wait()
     assert client.get_run(victim).info.status == "RUNNING"
-    with tracked.tracked_run(uri, "orphans", "next", {}, DATASET, tmp_path / "runs", 60):
+    with tracked.tracked_run(uri, "orphans", "next", {}, DATASET, tmp_path / "runs", system_metrics=False):
         pass
     run = client.get_run(victim)
     assert run.info.status == "KILLED"
@@ -140,7 +141,7 @@ def start_together(uri: str, experiment: str, runs_dir: Path, n: int = 6) -> lis
     def one(i):
         barrier.wait()
         try:
-            with tracked.tracked_run(uri, experiment, f"r{i}", {"i": i}, DATASET, runs_dir, 60):
+            with tracked.tracked_run(uri, experiment, f"r{i}", {"i": i}, DATASET, runs_dir, system_metrics=False):
                 pass
         except Exception as e:  # noqa: BLE001 - collected and asserted by the caller
             errors.append(e)
@@ -210,7 +211,7 @@ mlflow.pyfunc.save_model = saving
 weights = Path(sys.argv[2]) / "weights.pt"
 weights.parent.mkdir(parents=True, exist_ok=True)
 weights.write_bytes(b"")
-with tracked.tracked_run(sys.argv[1], "register", "r", {}, None, sys.argv[2], 60) as run:
+with tracked.tracked_run(sys.argv[1], "register", "r", {}, None, sys.argv[2], system_metrics=False) as run:
     results.register_model(run, {"model_spec": {"reference": "gpuflow.training.models:MLP", "kwargs": {}},
                                  "weights": str(weights)}, "m", None, "a test")
 """
@@ -246,7 +247,7 @@ def _copy_alone(db, dest):
 
 def test_the_store_file_alone_shows_a_run_once_it_ends(tmp_path):
     uri = _uri(tmp_path)
-    with tracked.tracked_run(uri, "wal", "ended", {}, DATASET, tmp_path / "runs", 60) as run:
+    with tracked.tracked_run(uri, "wal", "ended", {}, DATASET, tmp_path / "runs", system_metrics=False) as run:
         run.log_metrics({"accuracy": 0.5})
     copy = _copy_alone(tmp_path / "mlflow.db", tmp_path / "copy")
     [found] = _runs(copy, "wal")

@@ -193,10 +193,13 @@ class TrackedRun:
             relay.finish()
 
 
+SYSTEM_METRICS_S = 2.0  # how often the run's system metrics are sampled (a run of seconds still gets a few)
+
+
 @contextmanager
 def tracked_run(uri: str, experiment: str, run_name: str, tags: dict, dataset: dict | None,
-                runs_dir: str | Path, system_metrics_interval: float = 2.0,
-                resume: str | None = None) -> Iterator[TrackedRun]:
+                runs_dir: str | Path, resume: str | None = None,
+                system_metrics: bool = True) -> Iterator[TrackedRun]:
     """One MLflow run around the block, ended FINISHED, FAILED or KILLED whatever happens.
 
     Its folder is `<runs_dir>/<run id>`; runs of this host whose owner is gone are marked KILLED first.
@@ -204,10 +207,10 @@ def tracked_run(uri: str, experiment: str, run_name: str, tags: dict, dataset: d
     client = prepare_store(uri)
     reap_orphaned_runs(client)
     exp_id = ensure_experiment(client, experiment)
-    mlflow.set_system_metrics_sampling_interval(system_metrics_interval)
+    mlflow.set_system_metrics_sampling_interval(SYSTEM_METRICS_S)
     all_tags = {**{k: str(v) for k, v in tags.items() if v is not None}, **owner_tags()}
     run = mlflow.start_run(run_id=resume, experiment_id=None if resume else exp_id, run_name=run_name,
-                           tags=all_tags, log_system_metrics=True)
+                           tags=all_tags, log_system_metrics=system_metrics)
     status, error = "FINISHED", None
     try:
         if dataset:  # a user's script reads its own data
