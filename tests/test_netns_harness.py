@@ -110,7 +110,9 @@ def test_a_dead_harness_leftovers_are_removed_by_the_next_one(tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     tag = dead.stdout.readline().strip()
     try:
-        sleeper = netns_pids(f"{tag}-node-a")
+        deadline = time.monotonic() + 10
+        while not (sleeper := netns_pids(f"{tag}-node-a")) and time.monotonic() < deadline:
+            time.sleep(0.1)  # started, but not yet in its namespace (seen once in CI)
         assert sleeper and _leftovers(tag)
     finally:
         dead.send_signal(signal.SIGKILL)
