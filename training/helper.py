@@ -60,8 +60,9 @@ def declare_model(reference: str, *, input_example=None, **kwargs) -> None:
     if input_example is not None:
         from .example import save_example
 
-        save_example(output_dir() / EXAMPLE_STEM, to_cpu(input_example).numpy() if isinstance(input_example, torch.Tensor)
-                     else {k: to_cpu(v).numpy() for k, v in input_example.items()})
+        example = (to_cpu(input_example).numpy() if isinstance(input_example, torch.Tensor)
+                   else {k: to_cpu(v).numpy() for k, v in input_example.items()})
+        save_example(output_dir() / EXAMPLE_STEM, example)
     write_json_atomic(output_dir() / MODEL_FILE, {"reference": reference, "kwargs": kwargs})
 
 
