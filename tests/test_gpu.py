@@ -58,6 +58,20 @@ def test_dataparallel_on_the_primary_card_with_fp16_and_grad_scaler(tmp_path):
     assert not any(k.startswith("module.") for k in load_file(res["checkpoint"])["model"])
 
 
+def test_a_batch_of_data_held_on_the_gpu_is_gathered_without_a_host_sync():
+    # Before: torch.as_tensor(indices, device="cuda") was a blocking copy, a stream sync every step
+    # (ours/bare 0.86-0.90 on the H100, bench/RESULTS_GPU.md).
+    from gpuflow.training.data import TensorData
+
+    data = TensorData(torch.rand(64, 3, device="cuda"), torch.arange(64, device="cuda"))
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        x, y = data[list(range(0, 64, 2))]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert x.shape == (32, 3) and torch.equal(y.cpu(), torch.arange(0, 64, 2))
+
+
 def test_dataparallel_device_id_the_child_cannot_see_is_a_clear_error(tmp_path):
     proc = run_worker(tmp_path, strategy="dp", device="cuda", device_ids=[0, 7], check=False,
                       env=child_env(CUDA_VISIBLE_DEVICES="0"), **SMALL)

@@ -31,7 +31,8 @@ class TensorData(Dataset):
 
     def __getitem__(self, idx):
         if self.x.is_cuda and isinstance(idx, list):
-            idx = torch.as_tensor(idx, device=self.x.device)
+            # built on the host and copied without waiting: a blocking copy syncs the stream, every step
+            idx = torch.tensor(idx).to(self.x.device, non_blocking=True)
         return self.x[idx], self.y[idx]
 
 
