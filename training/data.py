@@ -31,8 +31,8 @@ class TensorData(Dataset):
 
     def __getitem__(self, idx):
         if self.x.is_cuda and isinstance(idx, list):
-            # built on the host and copied without waiting: a blocking copy syncs the stream, every step
-            idx = torch.tensor(idx).to(self.x.device, non_blocking=True)
+            # pinned and copied without waiting: a copy from pageable memory waits for the queued kernels, every step
+            idx = torch.tensor(idx).pin_memory().to(self.x.device, non_blocking=True)
         return self.x[idx], self.y[idx]
 
 
