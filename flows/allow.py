@@ -1,5 +1,5 @@
 """The operator's policy (training/policy.py) for served deployments' runs, built from `gpuflow serve`'s
-options and applied to each flow's parameters on entry (flows/calls.py `entered`); a local run is not checked.
+options and applied to each job's parameters at its door (flows/calls.py `admit`); a local run is not checked.
 Serve hands it to its runs and their children through `POLICY_ENV`.
 """
 

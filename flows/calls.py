@@ -46,20 +46,34 @@ def one_line(e: BaseException) -> str:
 
 
 def validated(model: type[BaseModel], values: dict) -> BaseModel:
-    """`model(**values)`, whose validators read no file; then each file a field marks `Exists` is there, and the
-    model's `check_contents` reads them. Else InvalidParameters (or the check's UserError) in the one line the CLI
-    prints. The CLI calls it before any server starts, a flow at its entry."""
+    """`model(**values)`, whose validators are pure (no file read, nothing imported, no host asked); else
+    InvalidParameters in the one line the CLI prints."""
     try:
-        params = model(**values)
+        return model(**values)
     except ValidationError as e:
         raise InvalidParameters(one_line(e)) from None
-    for name, field in model.model_fields.items():
+
+
+def admit(params: BaseModel, values: dict | None = None) -> BaseModel:
+    """The door every job's parameters pass once, before the job reads or runs anything they name: in a served
+    deployment's run the operator's policy (flows/allow.py); then each file a field marks `Exists` is there, the
+    model's `check_contents` reads them, and each code reference resolves (nothing called). `values`: as the
+    caller typed them, for the refusals. A flow's entry calls it (`entered`), the CLI before any server starts,
+    a sweep for each trial's parameters."""
+    from gpuflow.training.refs import check_references
+
+    from .allow import check_allowed
+
+    check_allowed(params)
+    values = values or {}
+    for name, field in type(params).model_fields.items():
         given = values.get(name, getattr(params, name))
         for mark in (m for m in field.metadata if isinstance(m, Exists)):
             if isinstance(value := getattr(params, name), str) and (why := mark.refusal(value, given)):
                 raise InvalidParameters(f"{name}={cut(repr(given), SHOWN // 2)}: {cut(why)}")
     if hasattr(params, "check_contents"):
         params.check_contents()
+    check_references(params)
     return params
 
 
@@ -148,7 +162,8 @@ _VALIDATED: contextvars.ContextVar[BaseModel | None] = contextvars.ContextVar("g
 
 @contextlib.contextmanager
 def validated_once(params: BaseModel) -> Iterator[None]:
-    """The next flow entered in this block with `params`' model takes `params` without validating them again."""
+    """The next flow entered in this block with `params`' model takes `params` as they are (validated and
+    admitted by the caller)."""
     token = _VALIDATED.set(params)
     try:
         yield
@@ -157,17 +172,14 @@ def validated_once(params: BaseModel) -> Iterator[None]:
 
 
 def entered(model: type[BaseModel], values: dict) -> BaseModel:
-    """A flow's first step: the operator's policy on the values as sent (before validation reads a file),
-    then its parameters validated or taken from `validated_once`."""
-    from .allow import check_allowed
-
-    check_allowed(values)
+    """A flow's first step: its parameters validated and admitted (`admit`), or taken as its caller (the CLI,
+    retrain) validated and admitted them (`validated_once`)."""
     given = _VALIDATED.get()
     if type(given) is model:
         _VALIDATED.set(None)  # once: a flow this one calls validates its own values
         params = given
     else:
-        params = validated(model, values)
+        params = admit(validated(model, values), values)
     quiet_libraries()
     interrupted_in_one_line()
     warn_on_prefects_temporary_api()

@@ -31,10 +31,9 @@ from pydantic import BaseModel, ValidationError
 from gpuflow.tasks.launch import TrainingFailed
 from gpuflow.training.errors import UserError
 from gpuflow.training.lifetime import exit_on_sigterm
-from gpuflow.training.refs import check_references
 
 from .api import STARTUP_TIMEOUT_DEFAULT_S, STARTUP_TIMEOUT_ENV, prefect_api, server_environment
-from .calls import one_line, quiet_libraries, report_user_errors_once, validated, validated_once
+from .calls import admit, one_line, quiet_libraries, report_user_errors_once, validated, validated_once
 from .options import add_model, rest_field
 
 from .params import EvaluateParams, InferParams, PipelineParams, ScriptParams, SweepParams
@@ -207,7 +206,9 @@ def main(argv: list[str] | None = None) -> int:
             report = read_environment()
             print(report.model_dump_json(indent=2)) if values["json"] else print_report(report)
             return 0
-        checked = validated(model, values)  # refuse bad values and missing files before Prefect or torch start
+        checked = validated(model, values)  # bad values refused before anything is imported or read
+        with contextlib.redirect_stdout(sys.stderr):  # stdout carries the JSON result alone (user code may print)
+            admit(checked, values)  # missing files and code that does not import, before any server starts
         if command in ("run", "sweep") and getattr(checked, "nodes", 1) <= 1:  # placed: each node checks its own
             from gpuflow.tasks.devices.assign import check_host
 
@@ -223,7 +224,6 @@ def main(argv: list[str] | None = None) -> int:
         imports_done()
         # stdout carries the JSON result alone: what user code prints (on import, say) goes to stderr
         with contextlib.redirect_stdout(sys.stderr):
-            check_references(checked)  # your code imports, before a server starts or data is written
             if command == "infer":  # no flow: nothing to record in Prefect
                 out = job(values)
             else:

@@ -1,6 +1,6 @@
 """The field types of gpuflow's parameters (flows/params.py declares the tree of them): each a type with its
 bounds, help and a pure check. No check reads a file: a path is only made absolute, and the files a field marks
-`Exists` are checked when the job is entered (flows/calls.py `validated`).
+`Exists` are checked at the job's door (flows/calls.py `admit`).
 """
 
 from __future__ import annotations

@@ -255,7 +255,7 @@ class SweepParams(Sweep, RetrainParams):
         return self
 
     def check_contents(self) -> None:
-        """What is checked by reading the files the fields name (flows/calls.py `validated`, once they are there):
+        """What is checked by reading the files the fields name (flows/calls.py `admit`, once they are there):
         the space file, and the study's storage not the tracking store's own file."""
         if self.storage:
             check_not_tracking_store(self.storage, self.tracking_uri)

@@ -1,5 +1,5 @@
-"""The training session that flows/job.py enters for every job: the allowlist and references
-checked, the host's device slot, the devices probed and assigned, their cards locked; and the
+"""The training session that flows/job.py enters for every job, with parameters admitted at the job's door
+(flows/calls.py `admit`): the host's device slot, the devices probed and assigned, their cards locked; and the
 run's names and tags. `on_one_device` is the same for an evaluation or a prediction.
 """
 
@@ -21,9 +21,7 @@ from gpuflow.tasks.devices.assign import DevicePlan, assign_devices, one_device_
 from gpuflow.tasks.devices.cards import card_locks
 from gpuflow.tasks.devices.slot import device_slot
 from gpuflow.tasks.devices.probe import EnvironmentReport, probe_environment
-from gpuflow.training.refs import check_references
 
-from .allow import check_allowed
 from .params import Devices
 
 
@@ -58,10 +56,8 @@ class Session:
 @contextmanager
 def training_session(params, batch_size: int | None = None, precision: str | None = None,
                      slot: bool = True) -> Iterator[Session]:
-    """Allowlist and references checked, the host's device slot taken (unless `slot` is False: a
-    sweep's trial, whose sweep holds it), devices probed and assigned, their cards locked for the block."""
-    check_allowed(params)  # a served deployment's run names only what the operator allowed
-    check_references(params)  # user code imports: refused before data or devices are touched
+    """For parameters admitted at the job's door (flows/calls.py `admit`): the host's device slot taken (unless
+    `slot` is False: a sweep's trial, whose sweep holds it), devices probed and assigned, their cards locked."""
     with device_slot() if slot else nullcontext():  # served runs on one host queue here
         timer = StepTimer()
         with timer("probe"):

@@ -20,6 +20,7 @@ from gpuflow.tasks.child import Stopped
 from gpuflow.tasks.tracking import tracked
 from gpuflow.training.contract import CHECKPOINT_SUFFIXES, RunFolder
 
+from .calls import admit, validated
 from .job import Placement, run_job
 from .launchers import Script, Worker, own_metrics
 from .params import Devices, PipelineParams, ScriptParams, SweepParams
@@ -162,11 +163,11 @@ def run_trial(t: Trial, params: SweepParams, parent_id: str, metric: str, study_
     arrives; the metric's final value, or None when pruned (run FINISHED, tagged sweep.pruned)."""
     name = f"{study_name}-t{t.trial.number}"
     slot = {"gpus": t.slot.gpus, "cpu_processes": t.slot.processes, "run_name": name}
-    if params.script:
-        launcher = Script(ScriptParams.model_validate(params.script_params(t.values) | slot))
+    if params.script:  # the space's values pass the door as the sweep's own did
+        launcher = Script(admit(validated(ScriptParams, params.script_params(t.values) | slot)))
         cwd = lambda run: own_folder(Path.cwd(), RunFolder(run.workdir).work, launcher.params.collect)  # noqa: E731
     else:
-        launcher = Worker(PipelineParams.model_validate(with_values(params.pipeline(), t.values) | slot))
+        launcher = Worker(admit(validated(PipelineParams, with_values(params.pipeline(), t.values) | slot)))
         cwd = None
 
     runs: list[tracked.TrackedRun] = []  # the trial's, once open: its client reads what a script logged

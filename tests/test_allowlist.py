@@ -260,3 +260,28 @@ def test_a_served_sweep_reads_its_space_and_keeps_its_study_only_inside_the_allo
     finally:
         outside.unlink()
     assert not (tmp_path.parent / "x.db").exists()
+
+
+def test_a_served_sweeps_trial_passes_the_door_with_the_values_its_space_gave_it(served, tmp_path, monkeypatch):
+    """The space's values make new parameters: each trial's pass the door before its job starts."""
+    from types import SimpleNamespace
+
+    from gpuflow.flows import trial
+    from gpuflow.flows.calls import entered
+    from gpuflow.flows.params import SweepParams
+
+    monkeypatch.setenv("GPUFLOW_ALLOW_CODE", "pkgx")
+    monkeypatch.setenv("GPUFLOW_ALLOW_PATHS", str(tmp_path))
+    space = tmp_path / "space.yaml"
+    space.write_text("model: {type: choice, values: ['pkgx.nets:Net', 'pkgy.nets:Net']}\n")
+    params = entered(SweepParams, {"space": str(space), "optimize": "val_loss"})  # the sweep's own values pass
+    launched = []
+    monkeypatch.setattr(trial, "run_job", lambda launcher, where: launched.append(launcher.params.model) or
+                        {"stopped": True})
+    for choice in ("pkgy.nets:Net", "pkgx.nets:Net"):
+        t = trial.Trial(trial=SimpleNamespace(number=0), slot=trial.Slot("cpu0", "cpu", 1), values={"model": choice})
+        try:
+            trial.run_trial(t, params, "parent", "val_loss", "study")
+        except allow.NotAllowed as e:
+            assert choice == "pkgy.nets:Net" and "package 'pkgy' is not allowed" in str(e)
+    assert launched == ["pkgx.nets:Net"]

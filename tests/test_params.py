@@ -160,9 +160,9 @@ def _marked(model) -> list[str]:
 
 
 def test_validation_reads_no_file_and_the_entry_check_names_each_missing_one(tmp_path, monkeypatch):
-    """Parameters are pure: a path that is not (yet) there validates, made absolute; `validated` (the CLI's
+    """Parameters are pure: a path that is not (yet) there validates, made absolute; the door (`admit`: the CLI's
     check before any server, a flow's entry) then refuses it in one line naming the value as typed."""
-    from gpuflow.flows.calls import InvalidParameters, validated
+    from gpuflow.flows.calls import InvalidParameters, admit, validated
     from gpuflow.flows.params import InferParams, ScriptParams, SweepParams
 
     monkeypatch.chdir(tmp_path)
@@ -179,9 +179,10 @@ def test_validation_reads_no_file_and_the_entry_check_names_each_missing_one(tmp
         params = model(**values)  # no file is read
         field, = values
         assert getattr(params, field) == str(tmp_path.resolve() / values[field])
+        checked = validated(model, values)  # pure: no file read
         with pytest.raises(InvalidParameters) as e:
-            validated(model, values)
+            admit(checked, values)
         assert str(e.value).startswith(says.format(tmp=tmp_path.resolve())) and "\n" not in str(e.value)
     (tmp_path / "gone.pt").write_bytes(b"")
-    assert validated(PipelineParams, {"resume": "gone.pt"}).resume == str(tmp_path.resolve() / "gone.pt")
-    assert validated(PipelineParams, {"resume": "never"}).resume == "never"
+    assert admit(validated(PipelineParams, {"resume": "gone.pt"})).resume == str(tmp_path.resolve() / "gone.pt")
+    assert admit(validated(PipelineParams, {"resume": "never"})).resume == "never"

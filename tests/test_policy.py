@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from gpuflow.flows import allow
-from gpuflow.flows.calls import entered, validated
+from gpuflow.flows.calls import admit, entered, validated
 from gpuflow.flows.params import EvaluateParams, PipelineParams, SweepParams
 from gpuflow.flows.settings import Settings
 from gpuflow.training.errors import UserError
@@ -89,11 +89,11 @@ def test_a_local_sweep_never_keeps_its_study_in_the_tracking_stores_file(tmp_pat
     monkeypatch.chdir(tmp_path)
     space = tmp_path / "s.yaml"
     space.write_text("lr: {type: float, low: 0.001, high: 0.1}\n")
-    with pytest.raises(UserError, match="tracking store's own file"):  # what the file is: checked after validation
-        validated(SweepParams, dict(space=str(space), tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}",
-                                    storage=f"sqlite:///file:{tmp_path / 'mlflow.db'}?uri=true"))
-    validated(SweepParams, dict(space=str(space), tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}",
-                                storage=f"sqlite:///{tmp_path / 'optuna.db'}"))
+    with pytest.raises(UserError, match="tracking store's own file"):  # what the file is: checked at the door
+        admit(validated(SweepParams, dict(space=str(space), tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}",
+                                          storage=f"sqlite:///file:{tmp_path / 'mlflow.db'}?uri=true")))
+    admit(validated(SweepParams, dict(space=str(space), tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}",
+                                      storage=f"sqlite:///{tmp_path / 'optuna.db'}")))
 
 
 def test_a_served_sweep_is_refused_at_the_door_before_its_space_file_is_read(served, tmp_path):

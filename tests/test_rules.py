@@ -126,6 +126,15 @@ def callers(names: set[str]) -> dict[str, set[str]]:
     return found
 
 
+def test_the_operators_policy_is_applied_at_one_door():
+    """Every job's parameters meet the allowlist in flows/calls.py `admit` alone (a flow's entry, the CLI, a
+    sweep's trial); the other policy checks are of what a run reads back (a published storage URL, a checkpoint)."""
+    found = callers({"check_allowed", "check_params", "check_references", "admit", "refusal"})
+    assert found["check_allowed"] == found["check_references"] == found["refusal"] == {"flows/calls.py"}
+    assert found["check_params"] == {"flows/allow.py"}
+    assert found["admit"] == {"flows/calls.py", "flows/cli.py", "flows/trial.py"}
+
+
 def test_every_training_job_goes_through_the_one_job_function():
     """A run, a script, a sweep's trial and a node: the MLflow run is opened by flows/job.py alone,
     the worker and scripts are launched by the launchers alone, models registered by them and the sweep's

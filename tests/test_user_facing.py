@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from gpuflow.flows.calls import InvalidParameters, validated
+from gpuflow.flows.calls import InvalidParameters, admit, validated
 from gpuflow.flows import cli
 from gpuflow.flows.params import EvaluateParams, InferParams, PipelineParams
 from gpuflow.flows.settings import Settings, server_command, ui_command
@@ -80,8 +80,8 @@ def test_values_too_big_for_this_host_are_refused_by_assignment_in_one_line(valu
     (InferParams, dict(inputs="missing.pt"), "inputs='missing.pt': no such file"),
 ])
 def test_evaluate_and_infer_refuse_bad_versions_and_missing_files(model, values, message):
-    with pytest.raises(InvalidParameters) as e:  # validation reads no file: the files are checked after it
-        validated(model, values)
+    with pytest.raises(InvalidParameters) as e:  # validation reads no file: the door checks them after it
+        admit(validated(model, values), values)
     assert message in cli.one_line(e.value)
 
 

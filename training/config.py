@@ -29,7 +29,7 @@ Strategy = Literal["single", "dp", "ddp"]
 @dataclass(frozen=True)
 class Exists:
     """A path field's mark: it must name a file when the job is entered. Validation reads no file (it only makes
-    the path absolute); flows/calls.py `validated` checks every marked field. The refusals take {path} (absolute)
+    the path absolute); flows/calls.py `admit` checks every marked field. The refusals take {path} (absolute)
     and {given} (as typed); `unless` are values that are not paths."""
 
     missing: str
