@@ -37,6 +37,7 @@ class Placement:
     on_run: Callable[[tracked.TrackedRun], None] | None = None  # told the run once it is open
     on_stopped: Callable[[tracked.TrackedRun], None] | None = None  # a stopped launch: raise, or mark it
     system_metrics: bool = True  # sample the host (a sweep's trial: its sweep's run does, once for all its trials)
+    checkpoint_each_epoch: bool = True  # False: the worker checkpoints its last epoch alone (a sweep's trial)
 
 
 def run_job(launcher, where: Placement | None = None) -> dict:
@@ -58,7 +59,8 @@ def run_job(launcher, where: Placement | None = None) -> dict:
             how = Launch(log_params=first, retries=where.node is None,
                          rdzv=rdzv, node=where.node and where.node.name, on_metrics=where.on_metrics,
                          metric=where.metric, stop=where.stop, cwd=where.cwd(run) if where.cwd else None,
-                         upload_checkpoints=bool(where.node and where.node.keep_all))
+                         upload_checkpoints=bool(where.node and where.node.keep_all),
+                         checkpoint_each_epoch=where.checkpoint_each_epoch)
             outcome: Outcome = launcher.launch(s, run, RunFolder(run.workdir), how)
             if outcome.stopped:
                 if where.on_stopped:

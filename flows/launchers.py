@@ -73,6 +73,7 @@ class Launch:
     stop: threading.Event | None = None
     cwd: Path | None = None
     upload_checkpoints: bool = False  # each epoch's, to the run, before its metrics: a replacement resumes from it
+    checkpoint_each_epoch: bool = True  # False: the last epoch's alone (a sweep's trial never resumes)
 
 
 class Worker:
@@ -93,7 +94,7 @@ class Worker:
 
     def launch(self, s: Session, run: tracked.TrackedRun | None, folder: RunFolder, how: Launch) -> Outcome:
         p = self.params
-        config = worker_config(p, s.plan, self.data, folder)
+        config = worker_config(p, s.plan, self.data, folder, how.checkpoint_each_epoch)
         if run is not None and how.log_params:
             run.log_params(p.run_params(config, s.plan))
         launch = launch_training.with_options(retries=p.launch_retries if how.retries else 0,

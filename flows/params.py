@@ -147,7 +147,7 @@ class PipelineParams(Tracking, Nodes, Torchrun, Devices, Training):
 
 
 def worker_config(params: PipelineParams, plan: DevicePlan, data: DatasetInfo | None = None,
-                  folder: RunFolder | None = None) -> TrainConfig:
+                  folder: RunFolder | None = None, checkpoint_each_epoch: bool = True) -> TrainConfig:
     """The worker's config from the request, the plan, the prepared data and the run's folder (none yet for the
     data step and the preflight); the user's code imports from the folder the flow runs in."""
     return TrainConfig(
@@ -155,7 +155,7 @@ def worker_config(params: PipelineParams, plan: DevicePlan, data: DatasetInfo | 
         strategy=plan.strategy, device=plan.device,
         device_ids=plan.logical_ids if plan.strategy == "dp" and plan.device == "cuda" else None,
         code_root=str(Path.cwd()), data_cache=data and data.cache, num_classes=data and data.num_classes,
-        **({"checkpoint_dir": str(folder.checkpoints)} if folder else {}))
+        checkpoint_each_epoch=checkpoint_each_epoch, **({"checkpoint_dir": str(folder.checkpoints)} if folder else {}))
 
 
 # Where a run is recorded, not how it trains: left out of the run's params.

@@ -189,7 +189,7 @@ def run_trial(t: Trial, params: SweepParams, parent_id: str, metric: str, study_
             "sweep.slot": t.slot.label}
     done = run_job(launcher, Placement(slot=False, name=name, register=False, tags=tags, stop=t.stop,
                                        on_metrics=reporter(t, params, metric), metric=metric, cwd=cwd, on_run=opened,
-                                       on_stopped=stopped, system_metrics=False))
+                                       on_stopped=stopped, system_metrics=False, checkpoint_each_epoch=False))
     if done.get("stopped"):
         return None
     t.result = done

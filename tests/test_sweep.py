@@ -93,8 +93,10 @@ def test_six_trials_two_at_a_time_nest_under_one_run_and_the_best_is_registered(
     assert all(r.data.params["world_size"] == "1" for r in trials)  # one CPU slot each
     values = {(r.data.params["lr"], r.data.params["optimizer"]) for r in trials}
     assert len(values) == 6  # every trial its own params
-    for r in trials:  # live metrics: one point per epoch
+    for r in trials:  # live metrics: one point per epoch; a checkpoint of the last epoch alone (it never resumes)
         assert len(mlflow.MlflowClient().get_metric_history(r.info.run_id, "val_accuracy")) == 2
+        kept = (tmp_path / "runs" / r.info.run_id / "checkpoints").glob("epoch-*.pt")
+        assert [p.name for p in kept] == ["epoch-0002.pt"] and r.data.params["checkpoint_each_epoch"] == "False"
     study = _study(tmp_path, "six")
     assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 6
     best = study.best_trial

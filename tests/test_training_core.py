@@ -55,6 +55,13 @@ def test_a_run_keeps_its_newest_checkpoints_and_its_best_and_resumes_from_the_ne
     assert kept == sorted({7, best})
 
 
+def test_a_sweeps_trial_writes_its_last_epochs_checkpoint_alone_and_logs_every_epoch(tmp_path):
+    res = _run_inprocess(tmp_path, epochs=4, checkpoint_each_epoch=False, **SMALL)
+    assert [p.name for p in (tmp_path / "ckpt").glob("epoch-*.pt")] == ["epoch-0004.pt"]
+    assert res["checkpoint"].endswith("epoch-0004.pt") and load_file(res["checkpoint"])["epoch"] == 4
+    assert [h["epoch"] for h in res["history"]] == [1, 2, 3, 4]
+
+
 def test_checkpoint_holds_everything_needed_to_resume(tmp_path):
     res = _run_inprocess(tmp_path, epochs=1, **SMALL)
     ck = load_file(res["checkpoint"])

@@ -178,6 +178,8 @@ class TrainConfig(Training):
     device_ids: list[int] | None = Field(None, description="logical DataParallel device ids (default: all visible)")
     dist_timeout_s: DistTimeout = 300.0
     checkpoint_dir: str = Field("checkpoints", description="where checkpoints are written")
+    checkpoint_each_epoch: bool = Field(True, description="a checkpoint at every epoch's end; else after the last "
+                                        "alone (a sweep's trial: it never resumes, and registering needs its weights)")
     data_cache: str | None = Field(
         None, description="prepared dataset file written by the flow's data step (training/datacache.py); "
         "workers read it instead of the source")

@@ -119,8 +119,8 @@ class Trainer:
         """The epoch's checkpoint (rank 0, written while the next epoch trains), then its metrics and console
         lines, so a logged epoch always has its checkpoint."""
         epoch = self.epochs_run
-        if not self.ctx.is_main:
-            return self._log_epoch(epoch, metrics)
+        if not self.ctx.is_main or not (self.cfg.checkpoint_each_epoch or epoch == self.cfg.epochs):
+            return self._log_epoch(epoch, metrics)  # no write pending: none before the last, without each epoch's
         retain = (self.cfg.keep_checkpoints, list(self.history), f"val_{self.objective.monitor}", self.objective.mode)
         self.writer.submit(self._checkpoint_payload(), epoch, retain, lambda: self._log_epoch(epoch, metrics))
 
