@@ -34,6 +34,8 @@ class Devices(BaseModel):
     skip_busy: bool = Field(True, description="skip GPUs already running other processes")
     cpu_processes: int = Field(0, ge=0, description="DDP processes on a CPU-only host (0 = auto; "
                                "at most the host's CPU count)")
+    cpu_cores: int = Field(0, ge=0, description="CPU cores a CPU run's processes share, each running cores / processes "
+                           "threads (0 = the host's; a sweep gives each trial its slot's)")
 
 
 class Torchrun(BaseModel):

@@ -162,7 +162,7 @@ def run_trial(t: Trial, params: SweepParams, parent_id: str, metric: str, study_
     """One trial as one job on its slot, nested under the sweep's run, its metric reported to the pruner as it
     arrives; the metric's final value, or None when pruned (run FINISHED, tagged sweep.pruned)."""
     name = f"{study_name}-t{t.trial.number}"
-    slot = {"gpus": t.slot.gpus, "cpu_processes": t.slot.processes, "run_name": name}
+    slot = {"gpus": t.slot.gpus, "cpu_processes": t.slot.processes, "cpu_cores": t.slot.processes, "run_name": name}
     if params.script:  # the space's values pass the door as the sweep's own did
         launcher = Script(admit(validated(ScriptParams, params.script_params(t.values) | slot)))
         cwd = lambda run: own_folder(Path.cwd(), RunFolder(run.workdir).work, launcher.params.collect)  # noqa: E731

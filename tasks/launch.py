@@ -102,8 +102,8 @@ def child_environment(plan: DevicePlan, metrics_file: Path | None = None) -> dic
     every process of the child holds."""
     env = {**os.environ, **plan.env}
     env["PYTHONUNBUFFERED"] = "1"
-    if plan.nproc_per_node > 1:  # torchrun's own default, set here so it does not print its banner
-        env.setdefault("OMP_NUM_THREADS", "1")
+    if plan.cpu_threads or plan.nproc_per_node > 1:  # the plan's share of the CPUs; torchrun's own default, 1,
+        env.setdefault("OMP_NUM_THREADS", str(plan.cpu_threads or 1))  # set here so it prints no banner
     # the ranks never talk to MLflow; the others are this child's own, set below
     for inherited in ("MLFLOW_RUN_ID", METRICS_FILE_ENV, CARD_LOCKS_ENV, CARD_OWNER_ENV):
         env.pop(inherited, None)

@@ -55,10 +55,16 @@ PLANS = [  # (host, request, batch, precision, expected plan fields)
     ("CPU host: DDP over gloo with 2 processes", CPU, dict(), 64, "bf16",
      dict(strategy="ddp", backend="gloo", device="cpu", nproc_per_node=2, physical_ids=[],
           env={"CUDA_VISIBLE_DEVICES": ""})),
-    ("CPU host: single", CPU, dict(strategy="single"), 64, "fp32",
-     dict(strategy="single", nproc_per_node=1, device="cpu")),
+    ("CPU host: single, the host's threads (torch's default)", CPU, dict(strategy="single"), 64, "fp32",
+     dict(strategy="single", nproc_per_node=1, device="cpu", cpu_threads=None)),
     ("one-core CPU host: single", host(0, cpus=1), dict(), 64, "fp32",
      dict(strategy="single", nproc_per_node=1)),
+    ("16 CPUs, 2 DDP processes: 8 threads each", host(0, cpus=16), dict(cpu_processes=2), 64, "fp32",
+     dict(nproc_per_node=2, cpu_threads=8)),
+    ("a sweep's trial on a slot of 1 core: 1 thread, not the host's 16", host(0, cpus=16),
+     dict(cpu_processes=1, cpu_cores=1), 64, "fp32", dict(strategy="single", nproc_per_node=1, cpu_threads=1)),
+    ("2 processes on a slot of 2 cores of 16", host(0, cpus=16), dict(cpu_processes=2, cpu_cores=2), 64, "fp32",
+     dict(strategy="ddp", nproc_per_node=2, cpu_threads=1)),
 ]
 
 

@@ -97,6 +97,9 @@ def test_six_trials_two_at_a_time_nest_under_one_run_and_the_best_is_registered(
         assert len(mlflow.MlflowClient().get_metric_history(r.info.run_id, "val_accuracy")) == 2
         kept = (tmp_path / "runs" / r.info.run_id / "checkpoints").glob("epoch-*.pt")
         assert [p.name for p in kept] == ["epoch-0002.pt"] and r.data.params["checkpoint_each_epoch"] == "False"
+        plan = json.loads(Path(mlflow.MlflowClient().download_artifacts(
+            r.info.run_id, "environment/device_plan.json", str(tmp_path / r.info.run_id))).read_text())
+        assert plan["cpu_threads"] == 1  # its slot's one core: two trials never run four threads on two cores
     study = _study(tmp_path, "six")
     assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 6
     best = study.best_trial

@@ -63,7 +63,7 @@ def explicit_ids(gpus: str) -> list[int] | None:
 def check_host(params) -> None:
     """Refuse values this host's CPUs or memory cannot meet; called where the job runs, as validation may not be."""
     cores = os.cpu_count() or 1
-    for name in ("cpu_processes", "num_workers"):
+    for name in ("cpu_processes", "cpu_cores", "num_workers"):
         if (value := getattr(params, name, 0)) > cores:
             raise AssignmentError(f"{name}={value} is more than the {cores} CPUs of this host; "
                                   f"use at most {cores} (0 = auto)")
@@ -87,6 +87,7 @@ class DevicePlan(BaseModel):
     physical_to_logical: dict[int, int] = {}
     primary: int | None = None
     env: dict[str, str] = {}
+    cpu_threads: int | None = None  # each process's OMP_NUM_THREADS on a shared CPU host (None: torch's default)
     warnings: list[str] = []
 
     def describe(self) -> str:
@@ -105,8 +106,10 @@ def _cpu_plan(report: EnvironmentReport, req: Devices) -> DevicePlan:
     strategy = req.strategy if req.strategy != "auto" else ("ddp" if nproc > 1 else "single")
     if strategy == "single":
         nproc = 1
+    cores = req.cpu_cores or report.cpu_count  # shared by the processes: more threads than cores is contention
     return DevicePlan(strategy=strategy, backend="gloo", device="cpu", nproc_per_node=nproc,
-                      env={"CUDA_VISIBLE_DEVICES": ""})
+                      env={"CUDA_VISIBLE_DEVICES": ""},
+                      cpu_threads=max(1, cores // nproc) if nproc > 1 or cores < report.cpu_count else None)
 
 
 def why_not(g: GpuInfo, req: Devices, locked: set[int]) -> str | None:
