@@ -139,7 +139,8 @@ class Trial:
 
 
 def reporter(t: Trial, params: SweepParams, metric: str):
-    """The trial's per-epoch report to Optuna: pruned (its launch stopped) when the pruner says so."""
+    """The trial's per-epoch report to Optuna: pruned (its launch stopped) when the pruner says so. Without a
+    pruner nothing decides on the values: the study keeps the trial's final value alone (its run, every epoch's)."""
 
     def report(step: int, metrics: dict) -> None:
         if t.stop.is_set():  # decided (or the sweep stops): the lines still arriving change nothing
@@ -148,10 +149,12 @@ def reporter(t: Trial, params: SweepParams, metric: str):
             t.missing = sorted(k for k in metrics if k.startswith("val_"))
             t.stop.set()
             return
+        if params.pruner == "none":
+            return
         t.reported[step] = metrics[metric]
         if time.monotonic() - t.stored_at >= STORE_EVERY_S:  # the pruner decides on `reported` meanwhile
             t.store()
-        if params.pruner != "none" and t.pruning.says(t.trial.number, t.reported):
+        if t.pruning.says(t.trial.number, t.reported):
             t.pruned_at = step
             t.stop.set()
 

@@ -102,6 +102,7 @@ def test_six_trials_two_at_a_time_nest_under_one_run_and_the_best_is_registered(
         assert plan["cpu_threads"] == 1  # its slot's one core: two trials never run four threads on two cores
     study = _study(tmp_path, "six")
     assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 6
+    assert all(t.intermediate_values == {} for t in study.trials)  # no pruner: per-epoch values stay in the runs
     best = study.best_trial
     assert out["best_value"] == best.value and out["best_params"] == best.params
     best_run = next(r for r in trials if r.info.run_id == best.user_attrs["mlflow_run_id"])
