@@ -217,5 +217,5 @@ def test_readme_main_command_on_a_fresh_copy_writes_a_finished_run(tmp_path):
         assert params[k] == (json.dumps(v) if isinstance(v, list) else str(v)), k
     assert params["gpus"] == "auto" and params["world_size"] == "2" and params["nnodes"] == "1" and params["nodes"] == "1"
     assert set(params) - set(config) == {"gpus", "world_size", "nodes", "nnodes", "nproc_per_node", "backend",
-                                         "min_free_mb", "skip_busy", "cpu_processes", "max_restarts",
+                                         "min_free_mb", "skip_busy", "cpu_processes", "cpu_cores", "max_restarts",
                                          "launch_retries", "rdzv_timeout_s", "max_node_failures", "min_nodes"}
