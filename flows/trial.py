@@ -166,12 +166,14 @@ def run_trial(t: Trial, params: SweepParams, parent_id: str, metric: str, study_
     arrives; the metric's final value, or None when pruned (run FINISHED, tagged sweep.pruned)."""
     name = f"{study_name}-t{t.trial.number}"
     slot = {"gpus": t.slot.gpus, "cpu_processes": t.slot.processes, "cpu_cores": t.slot.processes, "run_name": name}
-    if params.script:  # the space's values pass the door as the sweep's own did
-        launcher = Script(admit(validated(ScriptParams, params.script_params(t.values) | slot)))
+    model, values = ((ScriptParams, params.script_params(t.values)) if params.script
+                     else (PipelineParams, with_values(params.pipeline(), t.values)))
+    trial_params = admit(validated(model, values | slot))  # the space's values pass the door as the sweep's did
+    if params.script:
+        launcher = Script(trial_params)
         cwd = lambda run: own_folder(Path.cwd(), RunFolder(run.workdir).work, launcher.params.collect)  # noqa: E731
     else:
-        launcher = Worker(admit(validated(PipelineParams, with_values(params.pipeline(), t.values) | slot)))
-        cwd = None
+        launcher, cwd = Worker(trial_params), None
 
     runs: list[tracked.TrackedRun] = []  # the trial's, once open: its client reads what a script logged
 

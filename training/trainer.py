@@ -116,8 +116,9 @@ class Trainer:
         self._say(f"resumed from {path} after epoch {self.epochs_run}")
 
     def _end_epoch(self, metrics: dict) -> None:
-        """The epoch's checkpoint (rank 0, written while the next epoch trains), then its metrics and console
-        lines, so a logged epoch always has its checkpoint."""
+        """The epoch's checkpoint (rank 0, written while the next epoch trains; with `checkpoint_each_epoch` off,
+        the last epoch's alone), then its metrics and console lines, so a logged epoch that has a checkpoint has
+        it before its line."""
         epoch = self.epochs_run
         if not self.ctx.is_main or not (self.cfg.checkpoint_each_epoch or epoch == self.cfg.epochs):
             return self._log_epoch(epoch, metrics)  # no write pending: none before the last, without each epoch's
