@@ -23,8 +23,8 @@ from gpuflow.tasks.launch import Rendezvous, TrainingFailed, launch_script, laun
 from gpuflow.tasks.tracking import results, tracked
 from gpuflow.training.contract import RunFolder
 
-from .params import PipelineParams, ScriptParams, worker_config
-from .prepared import prepared, retry_unless_it_repeats
+from .params import PipelineParams, ScriptParams
+from .prepared import prepared, retry_unless_it_repeats, worker_config
 from .session import Session, unique_name
 from .settings import Settings
 

@@ -7,15 +7,12 @@ Prefect form and the deployments derive from these models. Parameters are flat o
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from gpuflow.tasks.devices.assign import GPUS_HELP, DevicePlan, explicit_ids, parse_gpus
-from gpuflow.tasks.data import DatasetInfo
 from gpuflow.training.config import DistTimeout, TrainConfig, Training, absolute
-from gpuflow.training.contract import RunFolder
 from gpuflow.training.policy import check_not_tracking_store
 
 from .fields import (NO_SUCH_FILE, SCRIPT, Collect, InputFile, Name, OneDevice, RegisteredModel, ScriptArgs,
@@ -146,18 +143,6 @@ class PipelineParams(Tracking, Nodes, Torchrun, Devices, Training):
         launch = self.model_dump(mode="json", exclude={*Training.model_fields, *RECORD_KEEPING})
         return {**launch, "backend": plan.backend, "nproc_per_node": plan.nproc_per_node,
                 "world_size": self.world_size(plan), **config.to_dict()}
-
-
-def worker_config(params: PipelineParams, plan: DevicePlan, data: DatasetInfo | None = None,
-                  folder: RunFolder | None = None, checkpoint_each_epoch: bool = True) -> TrainConfig:
-    """The worker's config from the request, the plan, the prepared data and the run's folder (none yet for the
-    data step and the preflight); the user's code imports from the folder the flow runs in."""
-    return TrainConfig(
-        **params.model_dump(include=set(Training.model_fields)), dist_timeout_s=params.dist_timeout_s,
-        strategy=plan.strategy, device=plan.device,
-        device_ids=plan.logical_ids if plan.strategy == "dp" and plan.device == "cuda" else None,
-        code_root=str(Path.cwd()), data_cache=data and data.cache, num_classes=data and data.num_classes,
-        checkpoint_each_epoch=checkpoint_each_epoch, **({"checkpoint_dir": str(folder.checkpoints)} if folder else {}))
 
 
 # Where a run is recorded, not how it trains: left out of the run's params.

@@ -15,7 +15,8 @@ import torch
 from pydantic import ValidationError
 
 from gpuflow.flows.cli import one_line
-from gpuflow.flows.params import PipelineParams, worker_config
+from gpuflow.flows.params import PipelineParams
+from gpuflow.flows.prepared import worker_config
 from gpuflow.training import TrainConfig
 from gpuflow.training.contract import RunFolder
 from gpuflow.flows.train import train_pipeline

@@ -14,7 +14,8 @@ import mlflow
 import pytest
 import torch
 
-from gpuflow.flows.params import PipelineParams, worker_config
+from gpuflow.flows.params import PipelineParams
+from gpuflow.flows.prepared import worker_config
 from gpuflow.training import TrainConfig
 from gpuflow.training.contract import RunFolder
 from gpuflow.flows.train import train_pipeline

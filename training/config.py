@@ -170,7 +170,7 @@ DistTimeout = Annotated[float, Field(ge=10, le=86_400, description="collective/r
 
 
 class TrainConfig(Training):
-    """Everything the worker needs: the user's training fields plus what the flow decides (flows/params.py
+    """Everything the worker needs: the user's training fields plus what the flow decides (flows/prepared.py
     worker_config), nothing about the host."""
 
     strategy: Strategy = Field("single", description="single device, nn.DataParallel, or DDP under torchrun")
