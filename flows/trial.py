@@ -37,18 +37,20 @@ def check_cards(params: SweepParams, report: EnvironmentReport) -> None:
 
 @dataclass
 class Slot:
-    """The devices of one trial: explicit cards ('3,1,'), or one CPU slot held by its lock."""
+    """The devices of one trial: explicit cards ('3,1,'), or a CPU slot: its cores, each held by its lock."""
 
     label: str
     gpus: str
     processes: int = 0  # on the CPU: the trial's DDP processes
     cards: tuple[int, ...] = ()
+    cores: int = 0  # on the CPU: the host's cores its processes share
     lock: CardLocks | None = None
 
 
 class Slots:
     """Trials' devices: groups of `gpus_per_trial` cards no other gpuflow run holds (the card locks decide), or on a
-    host without a GPU, CPU slots (`<host>-cpu<k>.lock`); one held elsewhere is never given: the sweep waits."""
+    host without a GPU, CPU slots of the host's cores / parallel cores (`<host>-cpu<core>.lock`); one held elsewhere
+    is never given: the sweep waits."""
 
     def __init__(self, params: SweepParams, report: EnvironmentReport, probe=probe_environment):
         check_cards(params, report)
@@ -64,8 +66,7 @@ class Slots:
             capacity = len(self.pool) // self.per_trial
             what = f"{len(self.pool)} GPUs ({params.gpus_per_trial} per trial)"
         else:
-            self.pool = list(range((os.cpu_count() or 1) // self.per_trial))
-            capacity = len(self.pool)
+            capacity = (os.cpu_count() or 1) // self.per_trial
             what = f"{os.cpu_count()} CPUs ({self.per_trial} process(es) per trial)"
         if capacity < 1:
             raise SweepError(f"gpus_per_trial={self.per_trial} is more than the {what}; ask for fewer per trial")
@@ -74,6 +75,9 @@ class Slots:
             raise SweepError(f"parallel={params.parallel} trials do not fit on {what}: at most {capacity} "
                              "run at a time; lower parallel or gpus_per_trial")
         self.parallel = want
+        if not self.gpu:  # each trial its share of the host's cores, all used however few run at a time
+            self.cores = (os.cpu_count() or 1) // want
+            self.pool = list(range(want))
         self.busy: set[int] = set()
         self._mutex = threading.Lock()
 
@@ -86,10 +90,12 @@ class Slots:
         for k in self.pool:
             if k in self.busy:
                 continue
-            lock = CardLocks(ranks_wait_s=0)
-            if lock.try_lock(f"{socket.gethostname()}-cpu{k}"):
+            lock = CardLocks(ranks_wait_s=0)  # a lock per core: sweeps of other slot sizes share the host too
+            if all(lock.try_lock(f"{socket.gethostname()}-cpu{c}")
+                   for c in range(k * self.cores, (k + 1) * self.cores)):
                 self.busy.add(k)
-                return Slot(f"cpu{k}", "cpu", self.per_trial, (k,), lock)
+                return Slot(f"cpu{k}", "cpu", self.per_trial, (k,), self.cores, lock)
+            lock.release()
         return None
 
     def _take_gpus(self) -> Slot | None:
@@ -165,7 +171,7 @@ def run_trial(t: Trial, params: SweepParams, parent_id: str, metric: str, study_
     """One trial as one job on its slot, nested under the sweep's run, its metric reported to the pruner as it
     arrives; the metric's final value, or None when pruned (run FINISHED, tagged sweep.pruned)."""
     name = f"{study_name}-t{t.trial.number}"
-    slot = {"gpus": t.slot.gpus, "cpu_processes": t.slot.processes, "cpu_cores": t.slot.processes, "run_name": name}
+    slot = {"gpus": t.slot.gpus, "cpu_processes": t.slot.processes, "cpu_cores": t.slot.cores, "run_name": name}
     model, values = ((ScriptParams, params.script_params(t.values)) if params.script
                      else (PipelineParams, with_values(params.pipeline(), t.values)))
     trial_params = admit(validated(model, values | slot))  # the space's values pass the door as the sweep's did

@@ -244,6 +244,24 @@ def test_a_sweep_skips_busy_cards_as_a_run_does(tmp_path, monkeypatch):
     assert _slots(short, tmp_path, parallel="1", min_free_mb=1000).take().cards == (2,)
 
 
+def test_a_cpu_sweeps_trials_share_all_the_hosts_cores_however_few_run_at_a_time(tmp_path, monkeypatch):
+    monkeypatch.setenv("GPUFLOW_LOCK_DIR", str(tmp_path / "locks"))
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    host = EnvironmentReport(hostname="cpu-box", cpu_count=16, source="none", gpus=[])
+    one = _slots(host, tmp_path, gpus="cpu", parallel="1").take()
+    assert (one.cores, one.processes) == (16, 1)  # one trial at a time: every core, not one of sixteen
+    three = _slots(host, tmp_path, gpus="cpu", parallel="3", cpu_processes=2)
+    assert three.take() is None  # the other sweep's trial holds every core
+    one.lock.release()
+    taken = [three.take() for _ in range(4)]
+    assert taken[3] is None and [t.cores for t in taken[:3]] == [5, 5, 5]  # 3 x 5 of 16: two threads a process
+    again = _slots(host, tmp_path, gpus="cpu", parallel="2")
+    assert again.take() is None  # its first half holds cores 0-7, taken by the three slots of the other sweep
+    for t in taken[:3]:
+        t.lock.release()
+    assert again.take().cores == 8
+
+
 def test_a_node_log_line_that_lands_behind_lines_already_relayed_is_still_relayed(prefect_api):
     """A node's lines come from two processes (its worker and its flow run), each in batches: one can land
     with an older timestamp than lines the parent already relayed (CI, 2026-11-26: a node's `launching:` line
