@@ -66,8 +66,8 @@ class Slots:
             capacity = len(self.pool) // self.per_trial
             what = f"{len(self.pool)} GPUs ({params.gpus_per_trial} per trial)"
         else:
-            capacity = (os.cpu_count() or 1) // self.per_trial
-            what = f"{os.cpu_count()} CPUs ({self.per_trial} process(es) per trial)"
+            capacity = report.cpu_count // self.per_trial
+            what = f"{report.cpu_count} CPUs ({self.per_trial} process(es) per trial)"
         if capacity < 1:
             raise SweepError(f"gpus_per_trial={self.per_trial} is more than the {what}; ask for fewer per trial")
         want = capacity if params.parallel == "auto" else int(params.parallel)
@@ -76,7 +76,7 @@ class Slots:
                              "run at a time; lower parallel or gpus_per_trial")
         self.parallel = want
         if not self.gpu:  # each trial its share of the host's cores, all used however few run at a time
-            self.cores = (os.cpu_count() or 1) // want
+            self.cores = report.cpu_count // want
             self.pool = list(range(want))
         self.busy: set[int] = set()
         self._mutex = threading.Lock()

@@ -246,7 +246,6 @@ def test_a_sweep_skips_busy_cards_as_a_run_does(tmp_path, monkeypatch):
 
 def test_a_cpu_sweeps_trials_share_all_the_hosts_cores_however_few_run_at_a_time(tmp_path, monkeypatch):
     monkeypatch.setenv("GPUFLOW_LOCK_DIR", str(tmp_path / "locks"))
-    monkeypatch.setattr("os.cpu_count", lambda: 16)
     host = EnvironmentReport(hostname="cpu-box", cpu_count=16, source="none", gpus=[])
     one = _slots(host, tmp_path, gpus="cpu", parallel="1").take()
     assert (one.cores, one.processes) == (16, 1)  # one trial at a time: every core, not one of sixteen
