@@ -20,7 +20,8 @@ from pydantic import BaseModel
 from gpuflow.training.compat import FRESH_RDZV_STORE
 from gpuflow.training.errors import UserError
 from gpuflow.training.contract import (CARD_LOCKS_ENV, CARD_OWNER_ENV, DIST_TIMEOUT_ENV, LAUNCH_ATTEMPT_ENV,
-                                       METRICS_FILE_ENV, OUTPUT_DIR_ENV, PROCESS_GROUP_FILE_ENV, RunFolder)
+                                       METRICS_FILE_ENV, OUTPUT_DIR_ENV, PROCESS_GROUP_FILE_ENV, RunFolder,
+                                       ran_to_the_end)
 
 from .child import Stopped, run_child
 from .failure import TrainingFailed, error_folder, failure
@@ -75,7 +76,7 @@ def torchrun(plan: DevicePlan, launch: Torchrun, opts: Nodes | Machines, rdzv: R
                 "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv.endpoint}", f"--rdzv-id={rdzv.id}",
                 f"--local-addr={rdzv.local_addr}",  # the workers' MASTER_ADDR, when rank 0 is here
                 f"--rdzv-conf=is_host={str(rdzv.host).lower()},join_timeout={opts.rdzv_timeout_s}"]
-    if getattr(opts, "nnodes", 1) == 1 and not getattr(opts, "rdzv_endpoint", None):  # a script's: no low-level path
+    if one_machine(opts):  # a script's: no low-level path
         cmd += ["--standalone",  # c10d on a free localhost port: parallel runs never collide
                 f"--rdzv-conf=join_timeout={opts.rdzv_timeout_s}"]
     else:
@@ -85,6 +86,11 @@ def torchrun(plan: DevicePlan, launch: Torchrun, opts: Nodes | Machines, rdzv: R
                 f"--master-addr={host}", f"--master-port={port}",
                 f"--rdzv-conf=timeout={opts.rdzv_timeout_s}"]
     return cmd
+
+
+def one_machine(opts: Nodes | Machines, rdzv: Rendezvous | None = None) -> bool:
+    """Whether the job's ranks all run here: no placement, no low-level rendezvous of several nodes."""
+    return rdzv is None and getattr(opts, "nnodes", 1) == 1 and not getattr(opts, "rdzv_endpoint", None)
 
 
 def check_rendezvous(opts: Nodes) -> None:
@@ -184,5 +190,8 @@ def launch_script(script: str, script_args: list[str], opts: ScriptParams, track
            PROCESS_GROUP_FILE_ENV: str(folder.process_group), **(rdzv.environ() if rdzv else {})}
     folder.process_group.unlink(missing_ok=True)  # rank 0 writes it afresh when the script ends well
     code, tail = run_child(cmd, env, cwd or Path.cwd(), log, hold_fds, log_file=folder.logs / "script.log", stop=stop)
-    if code != 0:
+    if code != 0 and one_machine(opts, rdzv) and ran_to_the_end(folder.errors, plan.nproc_per_node):
+        log.warning(f"{Path(script).name}: every rank ran the script to its end, then a process failed as it "
+                    f"exited (torchrun's exit code {code}; gloo's exit abort, pytorch#190489): the run stands")
+    elif code != 0:
         raise failure(Path(script).name, code, folder.root, tail, "script.log")

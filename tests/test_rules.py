@@ -5,6 +5,7 @@ and the one job function's callers. Pure: part of `make test-fast`."""
 from __future__ import annotations
 
 import ast
+import json
 import time
 from datetime import timedelta
 
@@ -172,3 +173,21 @@ def test_a_restart_replays_success_only_when_every_rank_of_one_machine_finished(
         monkeypatch.setenv(k, v)
     assert replay_finished() is replayed
     assert (tmp_path / "attempt-1" / "finished-1").exists() is replayed  # so a later restart replays it too
+
+
+def test_the_flow_judges_a_failed_job_by_its_last_attempt_not_an_earlier_one(tmp_path):
+    """A rank killed on purpose in attempt 0 left an error; attempt 1 ran to its end on both ranks, then one
+    died at exit: that error is not the cause, and the job's script did finish (the run stands)."""
+    from gpuflow.training.contract import ran_to_the_end, read_error
+
+    assert read_error(tmp_path) is None and not ran_to_the_end(tmp_path, 2)
+    (tmp_path / "attempt-0").mkdir()
+    (tmp_path / "attempt-0" / "rank-0.json").write_text(json.dumps(
+        {"type": "RuntimeError", "message": "Connection reset by peer", "rank": 0, "time": 1.0,
+         "deterministic": False}))
+    assert read_error(tmp_path)["message"] == "Connection reset by peer" and not ran_to_the_end(tmp_path, 2)
+    (tmp_path / "attempt-1").mkdir()
+    (tmp_path / "attempt-1" / "finished-0").touch()
+    assert read_error(tmp_path) is None and not ran_to_the_end(tmp_path, 2)  # rank 1 never finished
+    (tmp_path / "attempt-1" / "finished-1").touch()
+    assert ran_to_the_end(tmp_path, 2) and not ran_to_the_end(tmp_path, 3)

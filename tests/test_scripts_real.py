@@ -159,6 +159,15 @@ def test_a_script_whose_ranks_all_finished_is_not_run_again_when_they_die_at_exi
     assert client(folder).get_run(tags["run_id"]).info.status == "FINISHED"
 
 
+def test_a_script_whose_ranks_all_finished_stands_when_they_die_at_exit_with_no_restart_left(
+        tmp_path, api_url):  # noqa: F811
+    folder = project(tmp_path / "proj", aborts=ABORTS_AT_EXIT)
+    tags, console = run(folder, api_url, "aborts", "--max-restarts", "0")
+    assert [(folder / f"ran-{r}.txt").read_text() for r in (0, 1)] == ["0\n", "0\n"]
+    assert "every rank ran the script to its end, then a process failed as it exited" in console, console[-4000:]
+    assert client(folder).get_run(tags["run_id"]).info.status == "FINISHED"
+
+
 @pytest.mark.parametrize("script, nproc, joined", [("solo", 2, False), ("train", 2, True), ("solo", 1, None)])
 def test_rank_0_records_whether_the_script_joined_a_process_group(tmp_path, script, nproc, joined):
     """gpuflow's runner under plain torchrun: the record the flow reads (none for one process)."""

@@ -154,10 +154,10 @@ def test_a_served_run_names_only_the_packages_and_folders_the_operator_allowed(s
                             and message in line]):
             assert time.monotonic() < deadline, serve_log.read_text()[start:][-3000:]
             time.sleep(0.2)
-        assert len(said) == 1, said
+        assert len(said) == 1, "\n".join(said)
     for message in set(refused.values()):  # each reason once per run that met it, never repeated
         said = [line for line in serve_log.read_text()[start:].splitlines() if message in line]
-        assert len(said) == list(refused.values()).count(message), said
+        assert len(said) == list(refused.values()).count(message), "\n".join(said)  # in full, not cut by pytest
     assert "Traceback" not in serve_log.read_text()[start:], serve_log.read_text()[start:][-3000:]
     assert not marker.exists()  # the shell command never ran
     assert client.get_experiment_by_name("refused") is None  # refused before any MLflow run

@@ -173,13 +173,17 @@ def write_finished() -> None:
         out.touch()
 
 
+def _all_finished(attempt: Path, world_size: int) -> bool:
+    return len(list(attempt.glob("finished-*"))) >= world_size
+
+
 def replay_finished() -> bool:
     """In a restarted rank of a one-machine job: whether every rank of the attempt before ran its script to the end,
     so that an exit abort, not the script, failed it (the caller exits 0: running it again would train twice)."""
     folder, here = os.environ.get(ERROR_DIR_ENV), ranks()
     if not folder or here.restarts == 0 or here.local_world_size != here.world_size:
         return False
-    if len(list(_attempt_dir(folder, here.restarts - 1).glob("finished-*"))) < here.world_size:
+    if not _all_finished(_attempt_dir(folder, here.restarts - 1), here.world_size):
         return False
     write_finished()
     print(f"[rank {here.rank}] not run again: every rank ran the script to its end in the attempt before, which "
@@ -187,13 +191,24 @@ def replay_finished() -> bool:
     return True
 
 
-def read_error(folder: str | os.PathLike) -> dict | None:
-    """For the flow: the first error of the last attempt that left any, or None."""
+def _last_attempt(folder: str | os.PathLike) -> Path | None:
+    """The folder of the last attempt whose ranks left anything (an error or a `finished-<rank>` mark)."""
     attempts = sorted(Path(folder).glob("attempt-*"), key=lambda p: int(p.name.split("-")[1]))
-    for attempt in reversed(attempts):
-        if records := _records(attempt):
-            return records[0]
-    return None
+    return attempts[-1] if attempts else None
+
+
+def read_error(folder: str | os.PathLike) -> dict | None:
+    """For the flow: the first error of the last attempt that left anything, or None (not an earlier attempt's:
+    torchrun restarted after it, so it is not what ended the job)."""
+    last = _last_attempt(folder)
+    return next(iter(_records(last)), None) if last else None
+
+
+def ran_to_the_end(folder: str | os.PathLike, world_size: int) -> bool:
+    """For the flow, when a one-machine job's torchrun failed: whether every rank of its last attempt ran the
+    script to the end, so a process's exit failed it (gloo's exit abort, pytorch#190489), not the script."""
+    last = _last_attempt(folder)
+    return last is not None and _all_finished(last, world_size)
 
 
 def describe(record: dict) -> str:

@@ -120,13 +120,13 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         return 1
     finally:
-        if ended_well:
-            contract.write_finished()
         flush_mlflow()
         if watch:
             watch.finish(record=ended_well)
         if hook:
             hook.remove()
+        if ended_well:  # last: every record of the script's end is written
+            contract.write_finished()
     return 0
 
 
