@@ -33,10 +33,23 @@ def describe_in_fresh_process(**cfg) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
+def test_the_digits_are_exactly_what_scikit_learns_load_digits_gives():
+    from sklearn.datasets import load_digits
+
+    from gpuflow.training.data import _digits
+
+    x, y, classes = _digits(TrainConfig())
+    d = load_digits()
+    assert classes == 10 and x.shape == (1797, 1, 8, 8) and x.dtype == torch.float32 and y.dtype == torch.int64
+    assert torch.equal(x, torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0)
+    assert torch.equal(y, torch.tensor(d.target, dtype=torch.int64))
+
+
 def test_second_run_reuses_the_prepared_digits_without_importing_torch_or_sklearn(tmp_path):
     first = describe_in_fresh_process(data_root=str(tmp_path))
     second = describe_in_fresh_process(data_root=str(tmp_path))
-    assert first["info"]["reused"] is False and first["sklearn"] is True
+    assert first["info"]["reused"] is False and first["torch"] is True
+    assert first["sklearn"] is False  # even the first: the file scikit-learn ships is read without importing it
     assert second["info"]["reused"] is True
     assert second["torch"] is False and second["sklearn"] is False
     assert second["info"] == {**first["info"], "reused": True}

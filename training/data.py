@@ -58,11 +58,15 @@ def data_to_device(bundle: DataBundle, device: torch.device, num_workers: int) -
 
 
 def _digits(cfg: TrainConfig):
-    from sklearn.datasets import load_digits  # ships its data inside the package: offline
+    """scikit-learn's load_digits, read from the file it ships (offline) without importing scikit-learn (1.4 s)."""
+    import numpy as np
 
-    d = load_digits()
-    x = torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    return x, torch.tensor(d.target, dtype=torch.int64), 10
+    if (csv := datacache.digits_csv()) is None:
+        raise DatasetError("dataset 'digits' is read from the file scikit-learn ships, and scikit-learn is not "
+                           "installed: pip install scikit-learn")
+    table = np.loadtxt(csv, delimiter=",")  # 64 pixels (0-16), then the label
+    x = torch.tensor(table[:, :-1].reshape(-1, 1, 8, 8), dtype=torch.float32) / 16.0
+    return x, torch.tensor(table[:, -1], dtype=torch.int64), 10
 
 
 def _synthetic(cfg: TrainConfig):

@@ -32,15 +32,20 @@ def _stat(p: Path, base: Path) -> list:
     return [str(p.relative_to(base)), st.st_size, st.st_mtime_ns]
 
 
+def digits_csv() -> Path | None:
+    """The 8x8 digits file scikit-learn ships (what its load_digits reads), found without importing it; None
+    when it is not installed."""
+    spec = importlib.util.find_spec("sklearn")
+    csv = Path(spec.origin).parent / "datasets" / "data" / "digits.csv.gz" if spec and spec.origin else None
+    return csv if csv and csv.is_file() else None
+
+
 def source_signature(dataset: str, data_root: str) -> dict | None:
     """What the source is made of, without reading it; None when it is not on disk (yet)."""
     if dataset == "digits":
-        spec = importlib.util.find_spec("sklearn")
-        if spec is None or not spec.origin:
+        if (csv := digits_csv()) is None:
             return None
-        data = Path(spec.origin).parent / "datasets" / "data"
-        files = [_stat(data / "digits.csv.gz", data)] if (data / "digits.csv.gz").is_file() else []
-        return {"dataset": dataset, "scikit-learn": _version("scikit-learn"), "files": files}
+        return {"dataset": dataset, "scikit-learn": _version("scikit-learn"), "files": [_stat(csv, csv.parent)]}
     if dataset in TORCHVISION_FOLDERS:
         folder = Path(data_root).expanduser().resolve() / TORCHVISION_FOLDERS[dataset]
         files = sorted(p for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else []
