@@ -1,4 +1,6 @@
+import atexit
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -6,6 +8,7 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Card locks of every test in a folder of this session, never the machine's /tmp/gpuflow-locks.
 os.environ["GPUFLOW_LOCK_DIR"] = tempfile.mkdtemp(prefix="gpuflow-test-locks-")
+atexit.register(shutil.rmtree, os.environ["GPUFLOW_LOCK_DIR"], ignore_errors=True)  # each pytest process's own
 
 
 # `make test-fast`: the pure parts (parameters, space, assignment, contract, references, naming,
