@@ -67,7 +67,8 @@ def port_in_use(host: str, port: int) -> bool:
 
 def torchrun(plan: DevicePlan, launch: Torchrun, opts: Nodes | Machines, rdzv: Rendezvous | None = None) -> list[str]:
     """torchrun with the plan's processes per node, restarts and rendezvous."""
-    # no --tee/--log-dir for the worker: their log-tailing threads once kept a signalled torchrun from exiting
+    # no --tee for the worker: its log-tailing threads once kept a signalled torchrun from exiting (--log-dir alone
+    # starts none: torchrun keeps its per-attempt folders there, not in a /tmp/torchelastic_* per launch)
     restarts = 0 if rdzv else launch.max_restarts  # placed: a node that fails fails the job
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={plan.nproc_per_node}",
            f"--max-restarts={restarts}", "--role=rank"]
@@ -130,8 +131,8 @@ def launch(config: Path, plan: DevicePlan, opts: Torchrun, nodes: Nodes, workdir
     folder = RunFolder(workdir)
     result = folder.result
     result.unlink(missing_ok=True)
-    cmd = [*(torchrun(plan, opts, nodes, rdzv) if plan.strategy == "ddp" else [sys.executable]),
-           "-m", "gpuflow.training", "--config", str(config), "--result", str(result)]
+    cmd = [*([*torchrun(plan, opts, nodes, rdzv), f"--log-dir={folder.torchrun}"] if plan.strategy == "ddp"
+             else [sys.executable]), "-m", "gpuflow.training", "--config", str(config), "--result", str(result)]
     log.info("launching: %s", " ".join(cmd))
     env = child_environment(plan, metrics_file) | {LAUNCH_ATTEMPT_ENV: str(attempt), **error_folder(workdir)}
     if rdzv:

@@ -126,3 +126,12 @@ def test_a_prepared_file_corrupted_in_place_is_rebuilt_from_the_source(tmp_path)
     assert cache.read_bytes() == Path(fresh.cache).read_bytes() == good  # a fresh build, byte for byte
     assert not torch.equal(x_bad, datacache.load(str(cache))[0])
     assert prepare_dataset.fn(cfg).reused
+
+
+def test_the_digits_come_from_scikit_learns_own_loader_where_its_file_is_elsewhere(monkeypatch):
+    from gpuflow.training.data import _digits
+
+    expected = _digits(TrainConfig())
+    monkeypatch.setattr(datacache, "digits_csv", lambda: None)  # a release that moved digits.csv.gz
+    x, y, classes = _digits(TrainConfig())
+    assert classes == 10 and torch.equal(x, expected[0]) and torch.equal(y, expected[1])

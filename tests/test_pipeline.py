@@ -197,12 +197,14 @@ def test_readme_main_command_on_a_fresh_copy_writes_a_finished_run(tmp_path):
             (clone / f).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / f, clone / f)
     (clone / ".venv").symlink_to(ROOT / ".venv")
-    env = child_env(PREFECT_HOME=str(tmp_path / "prefect-home"))
+    (tmp_path / "tmp").mkdir()
+    env = child_env(PREFECT_HOME=str(tmp_path / "prefect-home"), TMPDIR=str(tmp_path / "tmp"))
     for k in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI"):
         env.pop(k, None)
     proc = subprocess.run(["make", "-o", ".venv/.installed", "run", "ARGS=--epochs 2"], cwd=clone,
                           env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert not list((tmp_path / "tmp").glob("torchelastic_*"))  # torchrun's folders are in the run's, not /tmp
     db = clone / "mlflow.db"
     assert db.is_file()
     mlflow.set_tracking_uri(f"sqlite:///{db}")

@@ -186,7 +186,8 @@ def test_the_flow_judges_a_failed_job_by_its_last_attempt_not_an_earlier_one(tmp
         {"type": "RuntimeError", "message": "Connection reset by peer", "rank": 0, "time": 1.0,
          "deterministic": False}))
     assert read_error(tmp_path)["message"] == "Connection reset by peer" and not ran_to_the_end(tmp_path, 2)
-    (tmp_path / "attempt-1").mkdir()
+    (tmp_path / "attempt-1").mkdir()  # its ranks started (start_attempt), then were killed by a signal
+    assert read_error(tmp_path) is None and not ran_to_the_end(tmp_path, 2)  # the cause: the signal, not attempt 0
     (tmp_path / "attempt-1" / "finished-0").touch()
     assert read_error(tmp_path) is None and not ran_to_the_end(tmp_path, 2)  # rank 1 never finished
     (tmp_path / "attempt-1" / "finished-1").touch()

@@ -83,6 +83,7 @@ def main(argv=None) -> int:
         die_with_parent(signal.SIGKILL)
     exit_on_sigterm()
     contract.whole_lines()
+    contract.start_attempt()
     if contract.replay_deterministic():  # the attempt before failed the same way before any progress
         return 2
     started = time.time()

@@ -46,6 +46,7 @@ class RunFolder:
     metrics = property(lambda self: self.root / "metrics.jsonl")  # per-epoch lines, relayed live (rank 0)
     outputs = property(lambda self: self.root / "outputs")  # a user script's files (GPUFLOW_OUTPUT_DIR)
     logs = property(lambda self: self.root / "logs")  # the children's output, logged with the run
+    torchrun = property(lambda self: self.root / "torchrun")  # torchrun's own folder (else one in /tmp per launch)
     errors = property(lambda self: self.root / "errors")  # attempt-N/rank-R.json of failing ranks
     process_group = property(lambda self: self.root / PROCESS_GROUP_FILE)  # did a script's rank 0 join one
     checkpoints = property(lambda self: self.root / "checkpoints")  # the worker's epoch-N.pt (config.checkpoint_dir)
@@ -150,6 +151,13 @@ def _records(folder: Path) -> list[dict]:
     return sorted(found, key=lambda r: r["time"])  # the first to fail is the cause; the others follow it
 
 
+def start_attempt() -> None:
+    """At a rank's start: its attempt's folder, so the flow reads a failure from the attempt that ended the job
+    even when it left nothing (a rank killed by a signal), never from one torchrun restarted after."""
+    if folder := os.environ.get(ERROR_DIR_ENV):
+        _attempt_dir(folder, ranks().restarts).mkdir(parents=True, exist_ok=True)
+
+
 def replay_deterministic() -> dict | None:
     """In a restarted rank: the attempt before's deterministic error, recorded for this one too (the caller exits
     instead of running the code again); None otherwise."""
@@ -192,14 +200,14 @@ def replay_finished() -> bool:
 
 
 def _last_attempt(folder: str | os.PathLike) -> Path | None:
-    """The folder of the last attempt whose ranks left anything (an error or a `finished-<rank>` mark)."""
+    """The folder of the last attempt that started (`start_attempt`), None before any."""
     attempts = sorted(Path(folder).glob("attempt-*"), key=lambda p: int(p.name.split("-")[1]))
     return attempts[-1] if attempts else None
 
 
 def read_error(folder: str | os.PathLike) -> dict | None:
-    """For the flow: the first error of the last attempt that left anything, or None (not an earlier attempt's:
-    torchrun restarted after it, so it is not what ended the job)."""
+    """For the flow: the first error of the last attempt, or None (not an earlier attempt's: torchrun restarted
+    after it, so it is not what ended the job)."""
     last = _last_attempt(folder)
     return next(iter(_records(last)), None) if last else None
 

@@ -97,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m gpuflow.training.runscript SCRIPT.py [ARGS...]", file=sys.stderr)
         return 2
     contract.whole_lines()
+    contract.start_attempt()
     if contract.replay_deterministic():
         return 1
     if contract.replay_finished():
@@ -120,13 +121,13 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         return 1
     finally:
+        if ended_well:  # first: a rank aborted as it exits can have torchrun kill this one in what follows
+            contract.write_finished()
         flush_mlflow()
         if watch:
             watch.finish(record=ended_well)
         if hook:
             hook.remove()
-        if ended_well:  # last: every record of the script's end is written
-            contract.write_finished()
     return 0
 
 
