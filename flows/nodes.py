@@ -78,20 +78,21 @@ def place(launcher) -> dict:
                 watch({j.name: start_node(params, j, launcher.node_flow) for j in jobs}, params.rdzv_timeout_s)
                 break
             except NodeFailed as e:
-                if len(lost) >= params.max_node_failures or e.node is None:
-                    raise
-                if e.repeats:
-                    log.warning("not replacing %s: a spare would fail the same way (the job's own failure: your "
-                                "code, data or values, before any progress)", e.node)
-                    raise
-                lost.append((e.node, str(e).splitlines()[0]))
-                resume, epoch = (None, None) if launcher.resumes_itself else last_checkpoint(run)
-                resumed = "the script resumes from its own checkpoint" if launcher.resumes_itself else \
-                    f"resumed after epoch {epoch}"
-                log.warning("%s; replacing it (%d of %d), %s", str(e).splitlines()[0], len(lost),
-                            params.max_node_failures, resumed)
-            finally:
+                failed = e
+            finally:  # the round's endpoint gone before anything else is said or waited for (a stop may come)
                 Variable.unset(variable("rdzv", round_id))
+            if len(lost) >= params.max_node_failures or failed.node is None:
+                raise failed
+            if failed.repeats:
+                log.warning("not replacing %s: a spare would fail the same way (the job's own failure: your "
+                            "code, data or values, before any progress)", failed.node)
+                raise failed
+            lost.append((failed.node, str(failed).splitlines()[0]))
+            resume, epoch = (None, None) if launcher.resumes_itself else last_checkpoint(run)
+            resumed = "the script resumes from its own checkpoint" if launcher.resumes_itself else \
+                f"resumed after epoch {epoch}"
+            log.warning("%s; replacing it (%d of %d), %s", str(failed).splitlines()[0], len(lost),
+                        params.max_node_failures, resumed)
         try:
             with tempfile.TemporaryDirectory() as d:
                 result = json.loads(Path(run.client.download_artifacts(run.run_id, str(PLACED_RESULT), d)).read_text())
