@@ -65,13 +65,15 @@ def port_in_use(host: str, port: int) -> bool:
     return False
 
 
-def torchrun(plan: DevicePlan, launch: Torchrun, opts: Nodes | Machines, rdzv: Rendezvous | None = None) -> list[str]:
-    """torchrun with the plan's processes per node, restarts and rendezvous."""
+def torchrun(plan: DevicePlan, launch: Torchrun, opts: Nodes | Machines, rdzv: Rendezvous | None,
+             log_dir: Path) -> list[str]:
+    """torchrun with the plan's processes per node, restarts and rendezvous; its per-attempt folders in `log_dir`
+    (in the run's folder, not a /tmp/torchelastic_* of each launch left behind)."""
     # no --tee for the worker: its log-tailing threads once kept a signalled torchrun from exiting (--log-dir alone
-    # starts none: torchrun keeps its per-attempt folders there, not in a /tmp/torchelastic_* per launch)
+    # starts none)
     restarts = 0 if rdzv else launch.max_restarts  # placed: a node that fails fails the job
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={plan.nproc_per_node}",
-           f"--max-restarts={restarts}", "--role=rank"]
+           f"--max-restarts={restarts}", "--role=rank", f"--log-dir={log_dir}"]
     if rdzv:  # its peers leave within a second; restarting them would resume from different checkpoints
         return [*cmd, f"--nnodes={rdzv.nnodes}:{rdzv.nnodes}",
                 "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv.endpoint}", f"--rdzv-id={rdzv.id}",
@@ -131,8 +133,8 @@ def launch(config: Path, plan: DevicePlan, opts: Torchrun, nodes: Nodes, workdir
     folder = RunFolder(workdir)
     result = folder.result
     result.unlink(missing_ok=True)
-    cmd = [*([*torchrun(plan, opts, nodes, rdzv), f"--log-dir={folder.torchrun}"] if plan.strategy == "ddp"
-             else [sys.executable]), "-m", "gpuflow.training", "--config", str(config), "--result", str(result)]
+    cmd = [*(torchrun(plan, opts, nodes, rdzv, folder.torchrun) if plan.strategy == "ddp" else [sys.executable]),
+           "-m", "gpuflow.training", "--config", str(config), "--result", str(result)]
     log.info("launching: %s", " ".join(cmd))
     env = child_environment(plan, metrics_file) | {LAUNCH_ATTEMPT_ENV: str(attempt), **error_folder(workdir)}
     if rdzv:
@@ -177,7 +179,7 @@ def launch_script(script: str, script_args: list[str], opts: ScriptParams, track
     log, folder = get_run_logger(), RunFolder(run.workdir)
     folder.outputs.mkdir(parents=True, exist_ok=True)
     # per-rank logs, console lines tagged by rank; training/runscript.py runs it as `python script.py` would
-    cmd = [*torchrun(plan, opts, opts, rdzv), f"--log-dir={folder.logs / 'ranks'}", "--tee=3",
+    cmd = [*torchrun(plan, opts, opts, rdzv, folder.logs / "ranks"), "--tee=3",
            "--log-line-prefix-template=[rank${rank}]:", "-m", "gpuflow.training.runscript", script, *script_args]
     log.info("launching: %s", " ".join(cmd))
     env = child_environment(plan, run.metrics_file)
