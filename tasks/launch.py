@@ -91,9 +91,9 @@ def torchrun(plan: DevicePlan, launch: Torchrun, opts: Nodes | Machines, rdzv: R
     return cmd
 
 
-def one_machine(opts: Nodes | Machines, rdzv: Rendezvous | None = None) -> bool:
-    """Whether the job's ranks all run here: no placement, no low-level rendezvous of several nodes."""
-    return rdzv is None and getattr(opts, "nnodes", 1) == 1 and not getattr(opts, "rdzv_endpoint", None)
+def one_machine(opts: Nodes | Machines) -> bool:
+    """Whether the job's ranks all run here: no low-level rendezvous of several nodes."""
+    return getattr(opts, "nnodes", 1) == 1 and not getattr(opts, "rdzv_endpoint", None)
 
 
 def check_rendezvous(opts: Nodes) -> None:
@@ -193,7 +193,8 @@ def launch_script(script: str, script_args: list[str], opts: ScriptParams, track
            PROCESS_GROUP_FILE_ENV: str(folder.process_group), **(rdzv.environ() if rdzv else {})}
     folder.process_group.unlink(missing_ok=True)  # rank 0 writes it afresh when the script ends well
     code, tail = run_child(cmd, env, cwd or Path.cwd(), log, hold_fds, log_file=folder.logs / "script.log", stop=stop)
-    if code != 0 and one_machine(opts, rdzv) and ran_to_the_end(folder.errors, plan.nproc_per_node):
+    # this machine's ranks (a placed run's other nodes judge theirs: the job stands only if every node does)
+    if code != 0 and ran_to_the_end(folder.errors, plan.nproc_per_node):
         log.warning(f"{Path(script).name}: every rank ran the script to its end, then a process failed as it "
                     f"exited (torchrun's exit code {code}; gloo's exit abort, pytorch#190489): the run stands")
     elif code != 0:

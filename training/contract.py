@@ -213,8 +213,8 @@ def read_error(folder: str | os.PathLike) -> dict | None:
 
 
 def ran_to_the_end(folder: str | os.PathLike, world_size: int) -> bool:
-    """For the flow, when a one-machine job's torchrun failed: whether every rank of its last attempt ran the
-    script to the end, so a process's exit failed it (gloo's exit abort, pytorch#190489), not the script."""
+    """For the flow, when torchrun failed: whether every rank on this machine (`world_size` of them) ran the script
+    to the end in its last attempt, so a process's exit failed it (gloo's exit abort, pytorch#190489)."""
     last = _last_attempt(folder)
     return last is not None and _all_finished(last, world_size)
 
