@@ -12,6 +12,13 @@ MLflow (tests/test_layout.py checks it). Which process runs each module:
   in a process of its own between the flow and every child: reaper
 """
 
-from .config import TrainConfig
-
 __all__ = ["TrainConfig"]
+
+
+def __getattr__(name: str):
+    """TrainConfig on first use: the reaper, in front of every child a run starts, never imports pydantic."""
+    if name == "TrainConfig":
+        from .config import TrainConfig
+
+        return TrainConfig
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
