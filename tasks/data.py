@@ -17,7 +17,8 @@ class DatasetInfo(BaseModel):
     num_samples: int
     train_samples: int
     val_samples: int
-    num_classes: int | None = Field(None, description="None: the dataset does not say (the model's output size decides)")
+    num_classes: int | None = Field(None, description="None: the dataset does not say (the model's output size "
+                                                      "decides)")
     input_shape: list[int] | None = None
     sha256: str
     cache: str | None = Field(None, description="prepared file the workers read (training/datacache.py)")
@@ -35,8 +36,9 @@ def prepare_dataset(cfg: TrainConfig) -> DatasetInfo:
         return describe_user_data(cfg)
     builtin = cfg.dataset in ("digits", "synthetic")
     found = datacache.lookup(cfg.dataset, cfg.data_root)
-    if cfg.dataset == "synthetic" or found:
-        path, meta = found or (None, datacache.synthetic_description(cfg.synthetic_size, cfg.synthetic_side))
+    if builtin or found:  # the built-ins are read (digits) or generated (synthetic) by each worker
+        path, meta = found or (None, datacache.digits_description() if cfg.dataset == "digits" else
+                               datacache.synthetic_description(cfg.synthetic_size, cfg.synthetic_side))
         d = {**meta, "cache": path and str(path),
              "input_shape": list(input_shape_for(cfg.model, tuple(meta["native_shape"])))}
     else:

@@ -45,34 +45,6 @@ def test_the_digits_are_exactly_what_scikit_learns_load_digits_gives():
     assert torch.equal(y, torch.tensor(d.target, dtype=torch.int64))
 
 
-def test_second_run_reuses_the_prepared_digits_without_importing_torch_or_sklearn(tmp_path):
-    first = describe_in_fresh_process(data_root=str(tmp_path))
-    second = describe_in_fresh_process(data_root=str(tmp_path))
-    assert first["info"]["reused"] is False and first["torch"] is True
-    assert first["sklearn"] is False  # even the first: the file scikit-learn ships is read without importing it
-    assert second["info"]["reused"] is True
-    assert second["torch"] is False and second["sklearn"] is False
-    assert second["info"] == {**first["info"], "reused": True}
-    assert Path(second["info"]["cache"]).parent == tmp_path / ".gpuflow-cache"
-    # the counts come from the description alone and must match the real split
-    bundle = load_data(TrainConfig(data_root=str(tmp_path)))
-    assert (second["info"]["train_samples"], second["info"]["val_samples"]) == (len(bundle.train), len(bundle.val))
-    assert second["info"]["sha256"] == bundle.fingerprint["sha256"]
-
-
-def test_workers_read_the_prepared_file_and_get_the_same_tensors(tmp_path):
-    info = prepare_dataset.fn(TrainConfig(data_root=str(tmp_path), model="cnn"))
-    a = load_data(TrainConfig(data_root=str(tmp_path), model="cnn", data_cache=info.cache))
-    b = load_data(TrainConfig(data_root=str(tmp_path), model="cnn"))
-    for part in ("train", "val"):
-        assert torch.equal(getattr(a, part).x, getattr(b, part).x)
-        assert torch.equal(getattr(a, part).y, getattr(b, part).y)
-    assert a.fingerprint == b.fingerprint and list(a.input_shape) == info.input_shape
-    # and the real worker trains from it
-    run_worker(tmp_path / "w", epochs=1, data_root=str(tmp_path), data_cache=info.cache, batch_size=128)
-    assert result(tmp_path / "w")["epochs_run"] == 1
-
-
 def _mnist(root: Path, seed: int) -> None:
     raw = root / "MNIST" / "raw"
     raw.mkdir(parents=True, exist_ok=True)
@@ -80,6 +52,48 @@ def _mnist(root: Path, seed: int) -> None:
     for prefix, n in (("train", 40), ("t10k", 10)):
         _write_idx(raw / f"{prefix}-images-idx3-ubyte", torch.randint(0, 256, (n, 28, 28), generator=g))
         _write_idx(raw / f"{prefix}-labels-idx1-ubyte", torch.arange(n) % 10)
+
+
+MNIST = {"dataset": "mnist", "val_fraction": 0.25}  # 40 samples of tests' own idx files (_mnist)
+
+
+def test_the_digits_are_described_without_torch_or_scikit_learn_and_match_what_the_workers_load(tmp_path):
+    """Read from their 0.5 MB file by each worker: the flow's data step writes nothing, even the first time."""
+    info = describe_in_fresh_process(data_root=str(tmp_path))
+    assert info["torch"] is False and info["sklearn"] is False
+    assert info["info"]["cache"] is None and info["info"]["reused"] is False and not list(tmp_path.iterdir())
+    bundle = load_data(TrainConfig(data_root=str(tmp_path)))  # the counts come from the description alone
+    assert (info["info"]["train_samples"], info["info"]["val_samples"]) == (len(bundle.train), len(bundle.val))
+    assert info["info"]["sha256"] == bundle.fingerprint["sha256"]
+    assert info["info"]["num_classes"] == 10 and info["info"]["input_shape"] == [1, 28, 28]  # the mlp's
+
+
+def test_second_run_reuses_the_prepared_file_without_importing_torch(tmp_path):
+    _mnist(tmp_path, seed=0)
+    first = describe_in_fresh_process(data_root=str(tmp_path), **MNIST)
+    second = describe_in_fresh_process(data_root=str(tmp_path), **MNIST)
+    assert first["info"]["reused"] is False and first["torch"] is True
+    assert second["info"]["reused"] is True and second["torch"] is False
+    assert second["info"] == {**first["info"], "reused": True}
+    assert Path(second["info"]["cache"]).parent == tmp_path / ".gpuflow-cache"
+    # the counts come from the description alone and must match the real split
+    bundle = load_data(TrainConfig(data_root=str(tmp_path), **MNIST))
+    assert (second["info"]["train_samples"], second["info"]["val_samples"]) == (len(bundle.train), len(bundle.val))
+    assert second["info"]["sha256"] == bundle.fingerprint["sha256"]
+
+
+def test_workers_read_the_prepared_file_and_get_the_same_tensors(tmp_path):
+    _mnist(tmp_path, seed=0)
+    info = prepare_dataset.fn(TrainConfig(data_root=str(tmp_path), model="cnn", **MNIST))
+    a = load_data(TrainConfig(data_root=str(tmp_path), model="cnn", data_cache=info.cache, **MNIST))
+    b = load_data(TrainConfig(data_root=str(tmp_path), model="cnn", **MNIST))
+    for part in ("train", "val"):
+        assert torch.equal(getattr(a, part).x, getattr(b, part).x)
+        assert torch.equal(getattr(a, part).y, getattr(b, part).y)
+    assert a.fingerprint == b.fingerprint and list(a.input_shape) == info.input_shape
+    # and the real worker trains from it
+    run_worker(tmp_path / "w", epochs=1, data_root=str(tmp_path), data_cache=info.cache, batch_size=16, **MNIST)
+    assert result(tmp_path / "w")["epochs_run"] == 1
 
 
 def test_a_changed_source_gets_a_fresh_prepared_file(tmp_path):
@@ -96,17 +110,20 @@ def test_a_changed_source_gets_a_fresh_prepared_file(tmp_path):
 
 
 def test_a_truncated_prepared_file_is_rebuilt_and_an_unreadable_one_names_the_fix(tmp_path):
-    info = prepare_dataset.fn(TrainConfig(data_root=str(tmp_path)))
+    _mnist(tmp_path, seed=0)
+    info = prepare_dataset.fn(TrainConfig(data_root=str(tmp_path), **MNIST))
     Path(info.cache).write_bytes(Path(info.cache).read_bytes()[:100])
-    again = prepare_dataset.fn(TrainConfig(data_root=str(tmp_path)))
+    again = prepare_dataset.fn(TrainConfig(data_root=str(tmp_path), **MNIST))
     assert not again.reused and again.cache == info.cache and again.sha256 == info.sha256
     Path(info.cache).write_bytes(b"not a torch file")
     with pytest.raises(DatasetError, match="Delete it"):
-        load_data(TrainConfig(data_cache=info.cache))
+        load_data(TrainConfig(data_cache=info.cache, **MNIST))
 
 
 def test_a_prepared_file_corrupted_in_place_is_rebuilt_from_the_source(tmp_path):
-    cfg = TrainConfig(data_root=str(tmp_path))
+    _mnist(tmp_path / "a", seed=0)
+    _mnist(tmp_path / "fresh", seed=0)
+    cfg = TrainConfig(data_root=str(tmp_path / "a"), **MNIST)
     info = prepare_dataset.fn(cfg)
     cache = Path(info.cache)
     good = cache.read_bytes()
@@ -122,7 +139,7 @@ def test_a_prepared_file_corrupted_in_place_is_rebuilt_from_the_source(tmp_path)
     x_bad = datacache.load(str(cache))[0]  # silent bit rot: no error, other pixels
     again = prepare_dataset.fn(cfg)
     assert not again.reused and again.cache == info.cache and again.sha256 == info.sha256
-    fresh = prepare_dataset.fn(TrainConfig(data_root=str(tmp_path / "fresh")))
+    fresh = prepare_dataset.fn(TrainConfig(data_root=str(tmp_path / "fresh"), **MNIST))
     assert cache.read_bytes() == Path(fresh.cache).read_bytes() == good  # a fresh build, byte for byte
     assert not torch.equal(x_bad, datacache.load(str(cache))[0])
     assert prepare_dataset.fn(cfg).reused

@@ -58,21 +58,8 @@ def data_to_device(bundle: DataBundle, device: torch.device, num_workers: int) -
 
 
 def _digits(cfg: TrainConfig):
-    """scikit-learn's load_digits, read from the file it ships (offline) without importing scikit-learn (1.4 s)."""
-    import numpy as np
-
-    if (csv := datacache.digits_csv()) is not None:
-        table = np.loadtxt(csv, delimiter=",")  # 64 pixels (0-16), then the label
-        pixels, labels = table[:, :-1], table[:, -1]
-    else:  # a scikit-learn that keeps the file elsewhere: its own loader
-        try:
-            from sklearn.datasets import load_digits
-        except ImportError:
-            raise DatasetError("dataset 'digits' ships with scikit-learn, which is not installed: "
-                               "pip install scikit-learn") from None
-        pixels, labels = load_digits(return_X_y=True)
-    x = torch.tensor(pixels.reshape(-1, 1, 8, 8), dtype=torch.float32) / 16.0
-    return x, torch.tensor(labels, dtype=torch.int64), 10
+    x, y = datacache.digits_arrays()
+    return torch.from_numpy(x), torch.from_numpy(y), 10
 
 
 def _synthetic(cfg: TrainConfig):
