@@ -17,6 +17,7 @@ is cuda:0.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import pickle
 import sys
@@ -264,4 +265,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    gc.freeze()  # torch's and the modules' objects live to the end: no collection scans them, at exit neither
     sys.exit(main())
