@@ -101,15 +101,15 @@ def test_training_never_imports_prefect_or_mlflow():
             assert not tops & {"prefect", "mlflow"}, f"{f} imports {tops & {'prefect', 'mlflow'}}"
 
 
-
 def test_the_reaper_in_front_of_every_child_loads_no_third_party_package_but_psutil():
     """It starts once per child a run starts (every worker, trial, evaluation and server): pydantic alone cost
     it 0.1 s of CPU each time."""
-    code = ("import sys, gpuflow.training.reaper; "
-            "print(sorted({m.split('.')[0] for m in sys.modules if not m.startswith('_')}  # site's own hooks\n"
-            "             - set(sys.stdlib_module_names)))")
+    code = ("import json, sys, gpuflow.training.reaper; "
+            "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules if not m.startswith('_')}  # site's hooks\n"
+            "                        - set(sys.stdlib_module_names))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert json.loads(out.stdout.replace("'", '"')) == ["gpuflow", "psutil"], out.stdout
+    assert json.loads(out.stdout) == ["gpuflow", "psutil"], out.stdout
+
 
 RUN_IN_THIS_PROCESS = """
 import json, sys
