@@ -5,8 +5,8 @@ for it stops on SIGTERM with its temporary API."""
 
 from __future__ import annotations
 
+import fcntl
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -19,6 +19,7 @@ import psutil
 import pytest
 
 from gpuflow.flows.api import server_environment
+from gpuflow.tasks.devices.cards import lock_dir
 from gpuflow.tasks.devices.slot import DEVICE_LIMIT
 from tests.helpers import ROOT, child_env
 from tests.servers import prefect_server
@@ -79,10 +80,25 @@ def _wait_for(proc: subprocess.Popen, log: Path, line: str, timeout: float) -> f
     """Seconds until `line` appears in the process's output; fails if it exits or is late."""
     start = time.monotonic()
     while line not in log.read_text():
-        assert proc.poll() is None, f"exited {proc.returncode} before {line!r}:\n{log.read_text()[-3000:]}"
-        assert time.monotonic() - start < timeout, f"no {line!r} within {timeout} s:\n{log.read_text()[-3000:]}"
+        assert proc.poll() is None, f"exited {proc.returncode} before {line!r}:\n{log.read_text()[-3000:]}{_locks()}"
+        assert time.monotonic() - start < timeout, \
+            f"no {line!r} within {timeout} s:\n{log.read_text()[-3000:]}{_locks()}"
         time.sleep(0.2)
     return time.monotonic() - start
+
+
+def _locks() -> str:
+    """What the lock folder holds when a test fails: each entry, whether a process locks it, who wrote it."""
+    folder, lines = lock_dir(), []
+    for path in sorted(folder.iterdir()) if folder.is_dir() else []:
+        with open(path, "rb") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                state = "unlocked"
+            except BlockingIOError:
+                state = "locked"
+            lines.append(f"{path.name} ({state}): {f.read(200).decode(errors='replace')}")
+    return f"\nthe lock folder {folder}:\n" + ("\n".join(lines) or "(empty)")
 
 
 @pytest.fixture
