@@ -11,12 +11,14 @@ import re
 import signal
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 from gpuflow.training.reaper import grace_seconds, start_supervised
 
 TAIL_LINES = 40
 STOP_POLL_S = 0.05  # how soon a quiet child is stopped once `stop` is set
+PROGRESS_EVERY_S = 2.0  # at most one progress line a child per this many seconds reaches the console
 TRACEBACK = "Traceback (most recent call last):"
 CHAINED = ("The above exception was", "During handling of the above exception")
 RANK_PREFIX = re.compile(r"(\[rank\d+\]:\s?)?(.*)")  # torchrun's tag: each rank's traceback is followed apart
@@ -57,6 +59,25 @@ class Tracebacks:
         return None if TORCHRUN_FAILED.match(body) else line
 
 
+class Progress:
+    """A child's progress lines (those `pattern` matches: `<n>/<total>` in its groups 1 and 2) on the console at
+    most every PROGRESS_EVERY_S, the first and the last always; the others reach the log file alone. A sweep of
+    short epochs shows a few lines a trial, not one an epoch (each a Prefect API log record)."""
+
+    def __init__(self, pattern: re.Pattern):
+        self.pattern, self.shown_at = pattern, None
+
+    def shown(self, line: str) -> bool:
+        m = self.pattern.match(line)
+        if m is None:
+            return True
+        now = time.monotonic()
+        if self.shown_at is None or m[1] == m[2] or now - self.shown_at >= PROGRESS_EVERY_S:
+            self.shown_at = now
+            return True
+        return False
+
+
 class Stopped(Exception):
     """The flow stopped the launch before it ended (a sweep's pruned trial, a stopped sweep)."""
 
@@ -70,14 +91,16 @@ def _pump(stream, name: str, q: queue.Queue) -> None:
 
 def run_child(cmd: list[str], env: dict, cwd: Path, log: logging.Logger | logging.LoggerAdapter,
               hold_fds: tuple[int, ...] = (), log_file: Path | None = None,
-              stop: threading.Event | None = None) -> tuple[int, list[str]]:
+              stop: threading.Event | None = None, progress: re.Pattern | None = None) -> tuple[int, list[str]]:
     """Run cmd under the reaper, each output line to `log` (and `log_file`); returns (exit code, last lines).
 
-    With a `log_file`, a traceback reaches `log` as one line naming that file. Nothing the child started
+    With a `log_file`, a traceback reaches `log` as one line naming that file, and the lines `progress` matches
+    are thinned out (Progress). Nothing the child started
     outlives it or this process; `hold_fds` (card locks) stay open until then. Setting `stop` stops it and
     raises Stopped."""
     tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
     tracebacks = Tracebacks(log_file) if log_file is not None else None  # without a file, shown whole
+    thinned = Progress(progress) if progress is not None and log_file is not None else None
     proc = start_supervised(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, bufsize=1, start_new_session=True, pass_fds=hold_fds)
     if log_file is not None:
@@ -103,7 +126,7 @@ def run_child(cmd: list[str], env: dict, cwd: Path, log: logging.Logger | loggin
                 continue
             tail.append(line)
             shown = tracebacks.console(line, name) if tracebacks else line
-            if shown is None:
+            if shown is None or (thinned is not None and not thinned.shown(shown)):
                 log.debug(line)
             else:
                 (log.warning if name == "stderr" and "error" in shown.lower() else log.info)(shown)

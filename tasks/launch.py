@@ -19,9 +19,9 @@ from pydantic import BaseModel
 
 from gpuflow.training.compat import FRESH_RDZV_STORE
 from gpuflow.training.errors import UserError
-from gpuflow.training.contract import (CARD_LOCKS_ENV, CARD_OWNER_ENV, DIST_TIMEOUT_ENV, LAUNCH_ATTEMPT_ENV,
-                                       METRICS_FILE_ENV, OUTPUT_DIR_ENV, PROCESS_GROUP_FILE_ENV, RunFolder,
-                                       ran_to_the_end)
+from gpuflow.training.contract import (CARD_LOCKS_ENV, CARD_OWNER_ENV, DIST_TIMEOUT_ENV, EPOCH_LINE,
+                                       LAUNCH_ATTEMPT_ENV, METRICS_FILE_ENV, OUTPUT_DIR_ENV, PROCESS_GROUP_FILE_ENV,
+                                       RunFolder, ran_to_the_end)
 
 from .child import Stopped, run_child
 from .failure import TrainingFailed, error_folder, failure
@@ -140,7 +140,8 @@ def launch(config: Path, plan: DevicePlan, opts: Torchrun, nodes: Nodes, workdir
     if rdzv:
         env |= rdzv.environ()
     try:
-        code, tail = run_child(cmd, env, workdir, log, hold_fds, log_file=folder.logs / "worker.log", stop=stop)
+        code, tail = run_child(cmd, env, workdir, log, hold_fds, log_file=folder.logs / "worker.log", stop=stop,
+                               progress=EPOCH_LINE)
     except Stopped:
         log.info("training stopped by the flow")
         return {"stopped": True, "final_metrics": {}}

@@ -5,7 +5,9 @@ script's collectives time out with the run's --dist-timeout-s."""
 
 from __future__ import annotations
 
+import logging
 import re
+import sys
 import textwrap
 from pathlib import Path
 
@@ -217,3 +219,29 @@ def test_a_chained_traceback_and_torchruns_summary_are_one_console_line_each():
     assert [s for s in map(shown.console, output) if s is not None] == [
         "[rank0]: epoch 1", "[rank1]: ValueError: inner (traceback in logs/worker.log)",
         "[rank1]: RuntimeError: outer (traceback in logs/worker.log)"]  # torchrun's account: the file alone
+
+
+def test_the_workers_epoch_lines_reach_the_console_every_two_seconds_and_the_log_file_every_one(tmp_path):
+    """Short epochs: the first, one after a pause of PROGRESS_EVERY_S, and the last epoch's line on the console;
+    the other lines (a warning among them) as they come; every line in the log file."""
+    from gpuflow.tasks.child import PROGRESS_EVERY_S, run_child
+    from gpuflow.training.contract import EPOCH_LINE, epoch_line
+
+    lines = [epoch_line(e, 30, f"train_loss {e}") for e in range(1, 31)]
+    code = (f"import time\nlines = {lines!r}\nfor i, line in enumerate(lines):\n"
+            f"    print(line, flush=True)\n    if i == 9: print('a warning of its own', flush=True); "
+            f"time.sleep({PROGRESS_EVERY_S} + 0.2)\n")
+    seen: list[str] = []
+
+    class Console(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    log = logging.getLogger("gpuflow-test-progress")
+    log.setLevel(logging.INFO)
+    log.addHandler(Console())
+    code_, _ = run_child([sys.executable, "-c", code], None, tmp_path, log, log_file=tmp_path / "worker.log",
+                         progress=EPOCH_LINE)
+    assert code_ == 0
+    assert seen == [lines[0], "a warning of its own", lines[10], lines[-1]], seen
+    assert (tmp_path / "worker.log").read_text().splitlines() == [*lines[:10], "a warning of its own", *lines[10:]]

@@ -21,7 +21,7 @@ from .builder import make_model
 from .errors import TrainingDiverged
 from .faults import fault_hook
 from .metrics import MetricsFile
-from .contract import FAULT_ENV, LAUNCH_ATTEMPT_ENV, ranks
+from .contract import FAULT_ENV, LAUNCH_ATTEMPT_ENV, epoch_line, ranks
 from .objective import Totals, apply, batch_len, concat, load_objective, split_batch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -128,8 +128,9 @@ class Trainer:
     def _log_epoch(self, epoch: int, metrics: dict) -> None:
         self.metrics.log_epoch(epoch, metrics)
         scores = " ".join(f"{k.replace('accuracy', 'acc')} {v:.4f}" for k, v in metrics.items() if k.startswith("val_"))
-        self._say(f"epoch {epoch}/{self.cfg.epochs} train_loss {metrics['train_loss']:.4f} "
-                  f"{scores} {metrics['samples_per_s']:.0f} samples/s")
+        if self.ctx.is_main:
+            print(epoch_line(epoch, self.cfg.epochs, f"train_loss {metrics['train_loss']:.4f} {scores} "
+                             f"{metrics['samples_per_s']:.0f} samples/s"), flush=True)
 
     def _checkpoint_payload(self) -> dict:
         """A copy of everything a resume needs, as CPU tensors: it loads on any host, and training goes on."""
