@@ -18,7 +18,8 @@ from gpuflow.training.reaper import grace_seconds, start_supervised
 
 TAIL_LINES = 40
 STOP_POLL_S = 0.05  # how soon a quiet child is stopped once `stop` is set
-PROGRESS_EVERY_S = 2.0  # at most one progress line a child per this many seconds reaches the console
+PROGRESS_EVERY_S = 2.0  # at most one progress line a child per this many seconds reaches the console...
+PROGRESS_ALL_UP_TO = 10  # ...unless it has this many steps or fewer: each is shown
 TRACEBACK = "Traceback (most recent call last):"
 CHAINED = ("The above exception was", "During handling of the above exception")
 RANK_PREFIX = re.compile(r"(\[rank\d+\]:\s?)?(.*)")  # torchrun's tag: each rank's traceback is followed apart
@@ -61,8 +62,9 @@ class Tracebacks:
 
 class Progress:
     """A child's progress lines (those `pattern` matches: `<n>/<total>` in its groups 1 and 2) on the console at
-    most every PROGRESS_EVERY_S, the first and the last always; the others reach the log file alone. A sweep of
-    short epochs shows a few lines a trial, not one an epoch (each a Prefect API log record)."""
+    most every PROGRESS_EVERY_S, the first and the last always, each of a job of PROGRESS_ALL_UP_TO steps or
+    fewer; the others reach the log file alone. A sweep of short epochs shows a few lines a trial, not one an
+    epoch (each a Prefect API log record)."""
 
     def __init__(self, pattern: re.Pattern):
         self.pattern, self.shown_at = pattern, None
@@ -72,7 +74,8 @@ class Progress:
         if m is None:
             return True
         now = time.monotonic()
-        if self.shown_at is None or m[1] == m[2] or now - self.shown_at >= PROGRESS_EVERY_S:
+        if (self.shown_at is None or m[1] == m[2] or int(m[2]) <= PROGRESS_ALL_UP_TO
+                or now - self.shown_at >= PROGRESS_EVERY_S):
             self.shown_at = now
             return True
         return False

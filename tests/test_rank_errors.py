@@ -13,6 +13,7 @@ from pathlib import Path
 
 import mlflow
 
+from gpuflow.training.contract import epoch_line
 from tests.test_user_code import api_url, gpuflow  # noqa: F401  (the session's Prefect server)
 
 MODEL_AND_DATA = """
@@ -223,25 +224,36 @@ def test_a_chained_traceback_and_torchruns_summary_are_one_console_line_each():
 
 def test_the_workers_epoch_lines_reach_the_console_every_two_seconds_and_the_log_file_every_one(tmp_path):
     """Short epochs: the first, one after a pause of PROGRESS_EVERY_S, and the last epoch's line on the console;
-    the other lines (a warning among them) as they come; every line in the log file."""
-    from gpuflow.tasks.child import PROGRESS_EVERY_S, run_child
-    from gpuflow.training.contract import EPOCH_LINE, epoch_line
+    the other lines (a warning among them) as they come; every line in the log file. A job of few epochs shows
+    each."""
+    from gpuflow.tasks.child import PROGRESS_ALL_UP_TO, PROGRESS_EVERY_S
 
     lines = [epoch_line(e, 30, f"train_loss {e}") for e in range(1, 31)]
     code = (f"import time\nlines = {lines!r}\nfor i, line in enumerate(lines):\n"
             f"    print(line, flush=True)\n    if i == 9: print('a warning of its own', flush=True); "
             f"time.sleep({PROGRESS_EVERY_S} + 0.2)\n")
+    assert _console(code, tmp_path) == [lines[0], "a warning of its own", lines[10], lines[-1]]
+    assert (tmp_path / "worker.log").read_text().splitlines() == [*lines[:10], "a warning of its own", *lines[10:]]
+    few = [epoch_line(e, PROGRESS_ALL_UP_TO, "train_loss 1") for e in range(1, PROGRESS_ALL_UP_TO + 1)]
+    assert _console(f"for line in {few!r}: print(line, flush=True)", tmp_path / "few") == few
+
+
+def _console(code: str, folder: Path) -> list[str]:
+    """What the console shows of a worker running `code` (its log file in `folder`)."""
+    from gpuflow.tasks.child import run_child
+    from gpuflow.training.contract import EPOCH_LINE
+
     seen: list[str] = []
 
     class Console(logging.Handler):
         def emit(self, record):
             seen.append(record.getMessage())
 
-    log = logging.getLogger("gpuflow-test-progress")
+    log = logging.getLogger(f"gpuflow-test-progress-{folder.name}")
     log.setLevel(logging.INFO)
     log.addHandler(Console())
-    code_, _ = run_child([sys.executable, "-c", code], None, tmp_path, log, log_file=tmp_path / "worker.log",
+    folder.mkdir(exist_ok=True)
+    code_, _ = run_child([sys.executable, "-c", code], None, folder, log, log_file=folder / "worker.log",
                          progress=EPOCH_LINE)
     assert code_ == 0
-    assert seen == [lines[0], "a warning of its own", lines[10], lines[-1]], seen
-    assert (tmp_path / "worker.log").read_text().splitlines() == [*lines[:10], "a warning of its own", *lines[10:]]
+    return seen
