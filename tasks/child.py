@@ -98,9 +98,8 @@ def run_child(cmd: list[str], env: dict, cwd: Path, log: logging.Logger | loggin
     """Run cmd under the reaper, each output line to `log` (and `log_file`); returns (exit code, last lines).
 
     With a `log_file`, a traceback reaches `log` as one line naming that file, and the lines `progress` matches
-    are thinned out (Progress). Nothing the child started
-    outlives it or this process; `hold_fds` (card locks) stay open until then. Setting `stop` stops it and
-    raises Stopped."""
+    are thinned out (Progress). Nothing the child started outlives it or this process; `hold_fds` (card locks)
+    stay open until then. Setting `stop` stops it and raises Stopped."""
     tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
     tracebacks = Tracebacks(log_file) if log_file is not None else None  # without a file, shown whole
     thinned = Progress(progress) if progress is not None and log_file is not None else None
