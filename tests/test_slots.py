@@ -36,6 +36,15 @@ with device_slot():
     time.sleep(900)
 """
 
+HOLD_WITH_NO_FILE = """
+import socket, time
+from prefect.client.orchestration import get_client
+from gpuflow.tasks.devices.slot import DEVICE_LIMIT, _take_slot
+with get_client(sync_client=True) as client:
+    print("held", _take_slot(client, DEVICE_LIMIT.format(host=socket.gethostname())), flush=True)
+    time.sleep(900)
+"""
+
 TAKE = """
 from gpuflow.flows.api import prefect_api
 from gpuflow.tasks.devices.slot import device_slot
@@ -61,7 +70,7 @@ def _post(api: str, path: str, body: dict) -> dict:
     req = urllib.request.Request(api + path, data=json.dumps(body).encode(), method="POST",
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=30) as r:
-        return json.loads(r.read())
+        return json.loads(r.read() or "{}")  # 204: no body
 
 
 def _env(server, served: bool = True) -> dict:
@@ -163,3 +172,30 @@ def test_sigterm_stops_a_gpuflow_run_waiting_for_the_slot_and_its_temporary_api(
             if p.is_running():
                 p.kill()
         run.wait()
+
+
+def test_a_slot_held_with_no_holder_file_is_waited_for_with_the_reasons_named_until_its_lease_is_released(
+        server, tmp_path):
+    """A lease no file here names (another TMPDIR's run, or one killed as it gave the slot back): the waiting run
+    says what it may be and takes the slot once the lease goes."""
+    holder_log, log = tmp_path / "holder.log", tmp_path / "taker.log"
+    holder = _start(HOLD_WITH_NO_FILE, _env(server), holder_log)
+    taker = None
+    try:
+        _wait_for(holder, holder_log, "held", START_S)
+        lease = holder_log.read_text().split()[-1]
+        taker = _start(TAKE, _env(server), log)
+        _wait_for(taker, log, "waiting for this host's device slot", START_S)
+        assert f"no holder file in {lock_dir()} (one whose GPUFLOW_LOCK_DIR or TMPDIR differs" in log.read_text()
+        assert "lease lapses within 60 s" in log.read_text(), log.read_text()
+        _post(server["api"], "/v2/concurrency_limits/decrement-with-lease", {"lease_id": lease})
+        _wait_for(taker, log, "taken", FREED_WITHIN_S)
+    finally:
+        holder.kill()
+        holder.wait()
+        if taker is not None:
+            try:
+                taker.wait(30 if "taken" in log.read_text() else 0)
+            except subprocess.TimeoutExpired:
+                taker.kill()
+                taker.wait()

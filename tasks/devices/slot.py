@@ -62,7 +62,9 @@ def _take_slot(client, name: str) -> UUID:
             continue  # ask again at once
         if holders != told:
             _run_log().warning("waiting for this host's device slot (Prefect concurrency limit %s), held by %s",
-                               name, "; ".join(holders) or f"a run with no holder file in {lock_dir()}")
+                               name, "; ".join(holders) or f"a run with no holder file in {lock_dir()} (one whose "
+                               f"GPUFLOW_LOCK_DIR or TMPDIR differs, or one killed as it gave the slot back: its "
+                               f"lease lapses within {SLOT_LEASE_S:.0f} s)")
             told = holders
         time.sleep(SLOT_POLL_S)
 
