@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,6 +23,11 @@ def user_project(dest: Path) -> Path:
     for f in (dest / "training").glob("*.py"):
         f.write_text(f.read_text().replace("myproj.", "training."))
     return dest
+
+
+# torchrun's per-launch folders of the tests that start it themselves: here, not a /tmp/torchelastic_* each
+TORCHRUN_LOGS = tempfile.mkdtemp(prefix="gpuflow-test-torchrun-")
+atexit.register(shutil.rmtree, TORCHRUN_LOGS, ignore_errors=True)
 
 
 def child_env(**extra: str) -> dict:
@@ -43,7 +50,7 @@ def run_worker(workdir: Path, nproc: int = 1, env: dict | None = None, check: bo
     (workdir / "cfg.json").write_text(json.dumps(cfg))
     args = ["-m", "gpuflow.training", "--config", str(workdir / "cfg.json")]
     if cfg.get("strategy") == "ddp":
-        cmd = [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={nproc}", *args]
+        cmd = [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={nproc}", f"--log-dir={TORCHRUN_LOGS}", *args]
     else:
         cmd = [sys.executable, *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env or child_env(), capture_output=True,

@@ -32,7 +32,7 @@ from gpuflow.training.cardlock import CARD_LOCKS_ENV, hold_card_locks
 from gpuflow.training.contract import CARD_OWNER_ENV as OWNER_ENV
 from gpuflow.training.errors import UserError
 from gpuflow.training.models import SimpleNN
-from tests.helpers import ROOT, child_env
+from tests.helpers import ROOT, TORCHRUN_LOGS, child_env
 
 UUID = "GPU-lock-test"
 HANG_GUARD_S = 120  # longer is a hang, not slowness
@@ -240,7 +240,8 @@ FLOW = textwrap.dedent(f"""
     plan = DevicePlan(strategy="ddp", backend="gloo", device="cuda", nproc_per_node=1, physical_ids=[0],
                       uuids=[{UUID!r}])
     with card_locks(plan) as locks:  # as flows/train.py holds them
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", *sys.argv[1:]]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+               "--log-dir={TORCHRUN_LOGS}", *sys.argv[1:]]
         run_child(cmd, child_environment(plan), Path.cwd(), logging.getLogger("flow"), locks.fds)
 """)
 

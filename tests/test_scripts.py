@@ -22,6 +22,7 @@ import psutil
 import pytest
 import torch
 
+from tests.helpers import TORCHRUN_LOGS
 from tests.test_user_code import fresh_python, gpuflow
 
 MYNET = """
@@ -324,7 +325,7 @@ def test_the_helper_under_plain_torchrun_only_writes_files(tmp_path):
     # --max-restarts 1: gloo can abort a rank as it exits after the last barrier ("terminate called without an
     # active exception", seen once in a loaded full run); the restarted pair resumes after the last epoch, trains none
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
-           "train.py"]
+           f"--log-dir={TORCHRUN_LOGS}", "train.py"]
     for epochs in ("1", "2"):
         out = subprocess.run([*cmd, epochs], cwd=folder, env=env, capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr[-3000:]

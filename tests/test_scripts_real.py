@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from gpuflow.training.contract import read_process_group
-from tests.helpers import ROOT
+from tests.helpers import ROOT, TORCHRUN_LOGS
 from tests.test_scripts import api_url, client, project, run_script  # noqa: F401  (api_url: a fixture)
 from tests.test_user_code import gpuflow
 
@@ -176,7 +176,8 @@ def test_rank_0_records_whether_the_script_joined_a_process_group(tmp_path, scri
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "GPUFLOW_"))}
     # --max-restarts 1: gloo can abort a rank as it exits (CI9); the restarted attempt writes the record again
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "--max-restarts=1", "-m", "gpuflow.training.runscript", f"{script}.py", "0", "--by-hand"]
+           "--max-restarts=1", f"--log-dir={TORCHRUN_LOGS}", "-m", "gpuflow.training.runscript", f"{script}.py", "0",
+           "--by-hand"]
     out = subprocess.run(cmd, cwd=folder, env=env | {"GPUFLOW_PROCESS_GROUP_FILE": str(record)},
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
