@@ -100,6 +100,8 @@ def _locks() -> str:
     """What the lock folder holds when a test fails: each entry, whether a process locks it, who wrote it."""
     folder, lines = lock_dir(), []
     for path in sorted(folder.iterdir()) if folder.is_dir() else []:
+        if not path.is_file():
+            continue
         with open(path, "rb") as f:
             try:
                 fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
@@ -132,11 +134,17 @@ def _take_after_killing(holder: subprocess.Popen, env: dict, log: Path) -> float
         holder.kill()
         return _wait_for(taker, log, "taken", FREED_WITHIN_S)
     finally:
-        try:  # one with the slot gives it back as it exits: killed mid-way, its lease would outlive the test
-            taker.wait(30 if "taken" in log.read_text() else 0)
-        except subprocess.TimeoutExpired:
-            taker.kill()
-            taker.wait()
+        _end(taker, log)
+
+
+def _end(taker: subprocess.Popen, log: Path) -> None:
+    """A taker with the slot gives it back as it exits (killed mid-way, its lease would outlive the test); one
+    still waiting is killed."""
+    try:
+        taker.wait(30 if "taken" in log.read_text() else 0)
+    except subprocess.TimeoutExpired:
+        taker.kill()
+        taker.wait()
 
 
 def test_a_slot_whose_served_holder_is_killed_goes_to_the_next_served_run_within_seconds(server, holder, tmp_path):
@@ -194,8 +202,4 @@ def test_a_slot_held_with_no_holder_file_is_waited_for_with_the_reasons_named_un
         holder.kill()
         holder.wait()
         if taker is not None:
-            try:
-                taker.wait(30 if "taken" in log.read_text() else 0)
-            except subprocess.TimeoutExpired:
-                taker.kill()
-                taker.wait()
+            _end(taker, log)
