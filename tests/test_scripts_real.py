@@ -16,6 +16,7 @@ import sys
 import pytest
 import torch
 
+from gpuflow.training.compat import FRESH_RDZV_STORE
 from gpuflow.training.contract import read_process_group
 from tests.helpers import ROOT, TORCHRUN_LOGS
 from tests.test_scripts import api_url, client, project, run_script  # noqa: F401  (api_url: a fixture)
@@ -178,7 +179,8 @@ def test_rank_0_records_whether_the_script_joined_a_process_group(tmp_path, scri
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "--max-restarts=1", f"--log-dir={TORCHRUN_LOGS}", "-m", "gpuflow.training.runscript", f"{script}.py", "0",
            "--by-hand"]
-    out = subprocess.run(cmd, cwd=folder, env=env | {"GPUFLOW_PROCESS_GROUP_FILE": str(record)},
+    # the restart's rendezvous as gpuflow's launches make it (pytorch#167288: else "Connection refused" in gloo)
+    out = subprocess.run(cmd, cwd=folder, env=env | FRESH_RDZV_STORE | {"GPUFLOW_PROCESS_GROUP_FILE": str(record)},
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     expected = None if joined is None else {"script": f"{script}.py", "world_size": nproc, "joined": joined}
