@@ -29,12 +29,19 @@ NODE_ADDR_ENV = "GPUFLOW_NODE_ADDR"  # a machine's address for the other nodes o
 NODE_DIR_ENV = "GPUFLOW_NODE_DIR"  # the folder `gpuflow node` serves from: its placed runs run there
 PROCESS_GROUP_FILE = "process_group.json"  # its name in the run folder
 CHECKPOINT_SUFFIXES = (".pt", ".pth", ".ckpt", ".safetensors")  # files a script saves its weights in
-EPOCH_LINE = re.compile(r"\[rank 0\] epoch (\d+)/(\d+) ")  # the worker's console line per epoch (epoch_line)
+
+
+def main_line(msg: str) -> str:
+    """One of the worker's own console lines: printed by rank 0 alone, with its prefix."""
+    return f"[rank 0] {msg}"
 
 
 def epoch_line(epoch: int, epochs: int, detail: str) -> str:
-    """The worker's console line for an epoch, as rank 0 prints it; the flow knows it by EPOCH_LINE."""
-    return f"[rank 0] epoch {epoch}/{epochs} {detail}"
+    """The worker's console line for an epoch; the flow knows it by EPOCH_LINE."""
+    return main_line(f"epoch {epoch}/{epochs} {detail}")
+
+
+EPOCH_LINE = re.compile(re.escape(main_line("epoch ")) + r"(\d+)/(\d+) ")
 
 
 class RunFolder:

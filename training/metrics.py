@@ -8,7 +8,7 @@ import os
 import sys
 import time
 
-from .contract import METRICS_FILE_ENV
+from .contract import METRICS_FILE_ENV, main_line
 
 MODEL_FILE = "model.json"  # in a script's output folder: the model it declared (reference and kwargs)
 EXAMPLE_STEM = "input_example"  # and its input example, when declared with one: .npy, or .npz (named inputs)
@@ -54,4 +54,4 @@ class MetricsFile:
 
     @staticmethod
     def _warn(why: str) -> None:
-        print(f"[rank 0] warning: live metrics off, result.json keeps them all: {why}", file=sys.stderr, flush=True)
+        print(main_line(f"warning: live metrics off, result.json keeps them all: {why}"), file=sys.stderr, flush=True)

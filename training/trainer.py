@@ -21,7 +21,7 @@ from .builder import make_model
 from .errors import TrainingDiverged
 from .faults import fault_hook
 from .metrics import MetricsFile
-from .contract import FAULT_ENV, LAUNCH_ATTEMPT_ENV, epoch_line, ranks
+from .contract import FAULT_ENV, LAUNCH_ATTEMPT_ENV, epoch_line, main_line, ranks
 from .objective import Totals, apply, batch_len, concat, load_objective, split_batch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -113,7 +113,7 @@ class Trainer:
         self.epochs_run = int(payload["epoch"])
         self.history = list(payload.get("history", []))
         self.resumed_from = str(path)
-        self._say(f"resumed from {path} after epoch {self.epochs_run}")
+        self._say(main_line(f"resumed from {path} after epoch {self.epochs_run}"))
 
     def _end_epoch(self, metrics: dict) -> None:
         """The epoch's checkpoint (rank 0, written while the next epoch trains; with `checkpoint_each_epoch` off,
@@ -128,9 +128,8 @@ class Trainer:
     def _log_epoch(self, epoch: int, metrics: dict) -> None:
         self.metrics.log_epoch(epoch, metrics)
         scores = " ".join(f"{k.replace('accuracy', 'acc')} {v:.4f}" for k, v in metrics.items() if k.startswith("val_"))
-        if self.ctx.is_main:
-            print(epoch_line(epoch, self.cfg.epochs, f"train_loss {metrics['train_loss']:.4f} {scores} "
-                             f"{metrics['samples_per_s']:.0f} samples/s"), flush=True)
+        self._say(epoch_line(epoch, self.cfg.epochs, f"train_loss {metrics['train_loss']:.4f} {scores} "
+                             f"{metrics['samples_per_s']:.0f} samples/s"))
 
     def _checkpoint_payload(self) -> dict:
         """A copy of everything a resume needs, as CPU tensors: it loads on any host, and training goes on."""
@@ -284,6 +283,6 @@ class Trainer:
         """Save the trained model's state dict alone (CPU, no wrapper prefix): what the registered model loads."""
         return save_file(path, model_state(self.model))
 
-    def _say(self, msg: str) -> None:
+    def _say(self, line: str) -> None:
         if self.ctx.is_main:
-            print(f"[rank 0] {msg}", flush=True)
+            print(line, flush=True)
