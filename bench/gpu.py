@@ -39,7 +39,8 @@ def ours(a, precision: str) -> tuple[float, float | None]:
         tmp = Path(d)
         cfg = {"dataset": "synthetic", "synthetic_size": a.size, "synthetic_side": a.side, "epochs": a.epochs,
                "model": a.model, "batch_size": a.batch, "precision": precision, "device": a.device,
-               "resume": "never", "checkpoint_dir": str(tmp / "ck"), "num_workers": 0}
+               "resume": "never", "checkpoint_dir": str(tmp / "ck"), "num_workers": 0,
+               "checkpoint_each_epoch": not a.last_checkpoint_only}
         res, _ = run_worker(tmp, cfg)
     return loop_rate(res), res["peak_memory_mb"]
 
@@ -58,6 +59,8 @@ def main(argv=None) -> dict:
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3, help="pairs (ours, bare) per precision")
+    p.add_argument("--last-checkpoint-only", action="store_true",
+                   help="ours writes no checkpoint while training (only after the last epoch), as the bare loop")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke test only")
     p.add_argument("--write", action="store_true",
                    help="write the table to bench/RESULTS_GPU.md (its ratios to RESULTS_GPU.json)")
@@ -85,13 +88,15 @@ def main(argv=None) -> dict:
     print(json.dumps(res, indent=2))
     print(text)
     if a.write:
-        cmd = "python -m bench.gpu " + " ".join(f"--{k} {v}" for k, v in vars(a).items()
-                                                if k not in ("write", "device"))
-        head = f"### {a.model}, {a.side}x{a.side} images, batch {a.batch}"
+        flags = {k: v for k, v in vars(a).items() if k not in ("write", "device")}
+        cmd = "python -m bench.gpu " + " ".join(f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}")
+                                                for k, v in flags.items() if v is not False)
+        head = f"### {a.model}, {a.side}x{a.side} images, batch {a.batch}" + (
+            ", ours with no checkpoint while training" if a.last_checkpoint_only else "")
         section = (f"{head}\n\nCommand: `{cmd}` on {datetime.date.today()}.\n"
                    f"Machine: {res['machine']}.\nBare loop: {BARE_LOOP}.\n\n{text}\n")
         old = OUT.read_text() if OUT.is_file() else "## 5. GPU: ours vs bare on CUDA, fp32 vs bf16\n"
-        parts = [q for q in old.split("\n### ") if not ("### " + q).startswith(head)]  # replace a rerun
+        parts = [q for q in old.split("\n### ") if ("### " + q).split("\n", 1)[0] != head]  # replace a rerun
         OUT.write_text("\n### ".join(parts).rstrip("\n") + "\n\n" + section)
         ratios = json.loads(OUT_JSON.read_text()) if OUT_JSON.is_file() else {}
         r = res["rates"]
