@@ -5,9 +5,10 @@ Serve hands it to its runs and their children through `POLICY_ENV`.
 
 from __future__ import annotations
 
+import functools
 import os
 
-from prefect.runtime import deployment
+from prefect.runtime import deployment, flow_run
 
 from gpuflow.training.policy import POLICY_ENV, NotAllowed, Policy  # noqa: F401  (NotAllowed: the door's refusal)
 
@@ -28,9 +29,21 @@ def hand_on(policy: Policy) -> None:
     os.environ[POLICY_ENV] = policy.to_env()
 
 
+def deployment_id() -> str | None:
+    """The deployment this flow run is a run of, else None. Read once per flow run: Prefect's `deployment.get_id`
+    asks its API for the flow run at every call (three calls per sweep trial, each waiting on the flow's loop)."""
+    run = flow_run.get_id()
+    return _deployment_of(run) if run else deployment.get_id()
+
+
+@functools.lru_cache(maxsize=64)
+def _deployment_of(run: str) -> str | None:
+    return deployment.get_id()  # read in that run's own context: its deployment never changes
+
+
 def current_policy(settings: Settings | None = None) -> Policy | None:
     """The policy of this flow run: the operator's in a served deployment's run, else None."""
-    if not deployment.get_id():
+    if not deployment_id():
         return None
     if settings is None and (handed := Policy.from_env()):
         return handed

@@ -5,6 +5,7 @@ run's names and tags. `on_one_device` is the same for an evaluation or a predict
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 import uuid
@@ -22,6 +23,7 @@ from gpuflow.tasks.devices.cards import card_locks
 from gpuflow.tasks.devices.slot import device_slot
 from gpuflow.tasks.devices.probe import EnvironmentReport, probe_environment
 
+from .allow import deployment_id
 from .params import Devices
 
 
@@ -97,11 +99,11 @@ def current_name(given: str | None, stem: str) -> str:
 def entry_point() -> str:
     """What the user ran, for the MLflow run's source: the deployment (the one a retrain's training
     ran under is the retrain's), or the command."""
-    if deployment.get_id():
+    if served_by := deployment_id():
         from prefect.client.orchestration import get_client
 
         with get_client(sync_client=True) as client:
-            served = client.read_deployment(deployment.get_id())
+            served = client.read_deployment(served_by)
             return f"deployment {client.read_flow(served.flow_id).name}/{served.name}"
     prog = Path(sys.argv[0]).name
     return f"{prog} {sys.argv[1]}" if prog == "gpuflow" and len(sys.argv) > 1 else prog
@@ -109,9 +111,20 @@ def entry_point() -> str:
 
 def run_tags() -> dict:
     """The MLflow run's tags of the flow run that owns it: its Prefect run and source."""
-    return {store.FLOW_RUN_TAG: flow_run.get_id(), "prefect.flow_run_name": flow_run.get_name(),
-            "prefect.deployment": deployment.get_name(), "mlflow.source.git.commit": store.git_commit(),
-            "mlflow.source.name": entry_point()}
+    run = flow_run.get_id()
+    return {store.FLOW_RUN_TAG: run, "prefect.flow_run_name": flow_run.get_name(),
+            **(_source_of(run) if run else _source())}
+
+
+def _source() -> dict:
+    return {"prefect.deployment": deployment.get_name() if deployment_id() else None,
+            "mlflow.source.git.commit": store.git_commit(), "mlflow.source.name": entry_point()}
+
+
+@functools.lru_cache(maxsize=64)
+def _source_of(run: str) -> dict:
+    """A flow run's source, read once (API calls and a git process): a sweep's every trial asks for it."""
+    return _source()
 
 
 def plan_tags(plan: DevicePlan, world: int) -> dict:

@@ -222,3 +222,33 @@ def test_readme_main_command_on_a_fresh_copy_writes_a_finished_run(tmp_path):
     assert set(params) - set(config) == {"gpus", "world_size", "nodes", "nnodes", "nproc_per_node", "backend",
                                          "min_free_mb", "skip_busy", "cpu_processes", "cpu_cores", "max_restarts",
                                          "launch_retries", "rdzv_timeout_s", "max_node_failures", "min_nodes"}
+
+
+def test_a_flow_runs_source_is_read_from_the_api_once_however_many_jobs_ask(prefect_api, monkeypatch):
+    """A sweep asks for its run's tags and the door's policy at every trial. Prefect's `deployment.get_id` reads the
+    flow run from the API at each call (there were 3 reads per trial, each waiting on the flow's event loop)."""
+    import prefect.runtime.deployment as runtime_deployment
+    from prefect import flow
+    from prefect.runtime import flow_run
+
+    from gpuflow.flows import allow, session
+    from gpuflow.tasks.tracking.store import FLOW_RUN_TAG
+
+    reads, read = [], runtime_deployment._get_flow_run
+
+    async def counted(run_id):
+        reads.append(str(run_id))
+        return await read(run_id)
+
+    monkeypatch.setattr(runtime_deployment, "_get_flow_run", counted)
+
+    @flow
+    def asks():
+        return [session.run_tags() for _ in range(3)], [allow.current_policy() for _ in range(3)], flow_run.get_id()
+
+    for _ in range(2):  # two flow runs: each reads its own, once
+        tags, policies, run_id = asks()
+        assert reads.count(run_id) == 1 and len(set(reads)) == len(reads), reads
+        assert all(t == tags[0] for t in tags) and tags[0][FLOW_RUN_TAG] == run_id
+        assert tags[0]["prefect.deployment"] is None and policies == [None] * 3  # no deployment: a local run
+    assert len(reads) == 2
