@@ -50,14 +50,15 @@ def _train(cfg, metrics, config_path: str, result_path: str | None, freeze_impor
     from .reproducible import seed_everything, set_determinism
     from .trainer import Trainer
 
-    if freeze_imports:  # the entry point only, not a caller's process (tests run this in-process)
-        gc.freeze()  # the imports' objects live to the end: the collection at teardown need not scan them
     ctx = distributed.setup(cfg)
     trainer = None
     try:
         seed_everything(cfg.seed)
         set_determinism(cfg)
         trainer = Trainer(cfg, ctx, data.load_data(cfg, fingerprint=False), metrics)
+        if freeze_imports:  # the entry point only, not a caller's process (tests run this in-process): what the
+            gc.freeze()  # imports and the setup built lives to the end; no collection scans it again
+            gc.enable()  # paused until now (__main__ below), as the CLI's (flows/__main__.py)
         result = trainer.train()
         if ctx.is_main:
             folder = contract.RunFolder(Path(result_path).parent if result_path else Path(config_path).parent)
@@ -110,4 +111,7 @@ def _checkpoint_dir(config_path: str) -> str | None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    gc.disable()  # until the trainer is built (_train)
+    code = main()
+    gc.freeze()  # exit with no last collection over what the run built (torch._dynamo came after the first freeze)
+    sys.exit(code)
