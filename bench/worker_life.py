@@ -33,7 +33,8 @@ def one(tmp: Path, epochs: int) -> dict[str, float]:
     end = time.time()
     assert proc.returncode == 0 and len(seen) == epochs, (proc.returncode, len(seen))
     written = (tmp / "result.json").stat().st_mtime
-    return {"to first epoch": seen[0] - start, "last epoch to result": written - seen[-1], "result to exit": end - written}
+    return {"to first epoch": seen[0] - start, "last epoch to result": written - seen[-1],
+            "result to exit": end - written}
 
 
 def main(argv=None) -> dict:
