@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import textwrap
+
 import pytest
 import torch
 from torch import nn
 
-from tests.helpers import result, run_worker
+from tests.helpers import BIN, ROOT, TORCHRUN_LOGS, child_env, result, run_worker
 from gpuflow.training.checkpoint import load_file, load_model_state, model_state
 from gpuflow.training.models import SimpleNN
 
@@ -98,3 +102,35 @@ def test_file_with_module_prefixed_keys_loads(tmp_path):
     assert torch.equal(target.fc2.bias, model.fc2.bias)
     compiled_ddp = {f"module._orig_mod.{k}": v for k, v in model.state_dict().items()}
     load_model_state(SimpleNN(), compiled_ddp)
+
+
+# The worker's entry point as torchrun runs it (`__main__`, the collector paused, then imports frozen), with the
+# trainer's DDP model watched: is it still alive when the process group is torn down?
+WATCH_THE_MODEL = """
+    import runpy, sys, weakref
+    from gpuflow.training import distributed, trainer
+    models, build, teardown = [], trainer.Trainer.__init__, distributed.teardown
+    def watched(self, *args, **kwargs):
+        build(self, *args, **kwargs)
+        models.append(weakref.ref(self.model))
+    def reported():
+        print("model alive at teardown:", [m() is not None for m in models], flush=True)
+        teardown()
+    trainer.Trainer.__init__, distributed.teardown = watched, reported
+    sys.argv = ["gpuflow.training", *sys.argv[1:]]
+    runpy.run_module("gpuflow.training", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_the_worker_frees_its_ddp_model_before_it_tears_the_process_group_down(tmp_path):
+    """A DDP reducer that outlives its gloo group aborts the rank at exit now and then (SIGABRT, 'terminate called
+    without an active exception': a placed run's node failed so). The entry point freezes its imports for speed;
+    the trainer must stay out of that freeze, or teardown's collection cannot free it."""
+    (tmp_path / "watch.py").write_text(textwrap.dedent(WATCH_THE_MODEL))
+    (tmp_path / "cfg.json").write_text(json.dumps({**CFG, "epochs": 1, "strategy": "ddp",
+                                                   "checkpoint_dir": str(tmp_path / "ckpt")}))
+    out = subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", f"--log-dir={TORCHRUN_LOGS}",
+                          str(tmp_path / "watch.py"), "--config", str(tmp_path / "cfg.json")],
+                         cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("model alive at teardown: [False]") == 2, out.stdout[-3000:]

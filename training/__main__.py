@@ -55,10 +55,9 @@ def _train(cfg, metrics, config_path: str, result_path: str | None, freeze_impor
     try:
         seed_everything(cfg.seed)
         set_determinism(cfg)
+        if freeze_imports:  # the entry point only, not a caller's process (tests run this in-process)
+            _freeze_imports()
         trainer = Trainer(cfg, ctx, data.load_data(cfg, fingerprint=False), metrics)
-        if freeze_imports:  # the entry point only, not a caller's process (tests run this in-process): what the
-            gc.freeze()  # imports and the setup built lives to the end; no collection scans it again
-            gc.enable()  # paused until now (__main__ below), as the CLI's (flows/__main__.py)
         result = trainer.train()
         if ctx.is_main:
             folder = contract.RunFolder(Path(result_path).parent if result_path else Path(config_path).parent)
@@ -75,6 +74,15 @@ def _train(cfg, metrics, config_path: str, result_path: str | None, freeze_impor
         trainer = None
         gc.collect()
         distributed.teardown()
+
+
+def _freeze_imports() -> None:
+    """What the imports and the setup built lives to the end: frozen, no collection scans it again. Not the
+    trainer: frozen, its DDP reducer would outlive the group (teardown's collection skips it) and abort at exit."""
+    import torch._dynamo  # noqa: F401  every optimizer imports it when built (135,000 objects): here, frozen too
+
+    gc.freeze()
+    gc.enable()  # paused until now (__main__ below), as the CLI's (flows/__main__.py)
 
 
 def main(argv=None) -> int:
@@ -111,7 +119,7 @@ def _checkpoint_dir(config_path: str) -> str | None:
 
 
 if __name__ == "__main__":
-    gc.disable()  # until the trainer is built (_train)
+    gc.disable()  # until the imports are frozen (_train)
     code = main()
     gc.freeze()  # exit with no last collection over what the run built (torch._dynamo came after the first freeze)
     sys.exit(code)
