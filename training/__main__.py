@@ -79,8 +79,9 @@ def _train(cfg, metrics, config_path: str, result_path: str | None, freeze_impor
 def _freeze_imports() -> None:
     """What the imports and the setup built lives to the end: frozen, no collection scans it again. Not the
     trainer: frozen, its DDP reducer would outlive the group (teardown's collection skips it) and abort at exit."""
-    import torch._dynamo  # noqa: F401  every optimizer imports it when built (135,000 objects): here, frozen too
+    import importlib
 
+    importlib.import_module("torch._dynamo")  # every optimizer imports it when built (135,000 objects): here, frozen
     gc.freeze()
     gc.enable()  # paused until now (__main__ below), as the CLI's (flows/__main__.py)
 
