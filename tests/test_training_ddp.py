@@ -105,9 +105,11 @@ def test_file_with_module_prefixed_keys_loads(tmp_path):
 
 
 # The worker's entry point as torchrun runs it (`__main__`, the collector paused, then imports frozen), with the
-# trainer's DDP model watched: is it still alive when the process group is torn down?
+# trainer's DDP model watched (is it still alive when the process group is torn down?) and the interpreter's
+# teardown too (an atexit function runs in it).
 WATCH_THE_MODEL = """
-    import runpy, sys, weakref
+    import atexit, runpy, sys, weakref
+    atexit.register(print, "interpreter teardown", flush=True)
     from gpuflow.training import distributed, trainer
     models, build, teardown = [], trainer.Trainer.__init__, distributed.teardown
     def watched(self, *args, **kwargs):
@@ -122,10 +124,11 @@ WATCH_THE_MODEL = """
 """
 
 
-def test_the_worker_frees_its_ddp_model_before_it_tears_the_process_group_down(tmp_path):
-    """A DDP reducer that outlives its gloo group aborts the rank at exit now and then (SIGABRT, 'terminate called
-    without an active exception': a placed run's node failed so). The entry point freezes its imports for speed;
-    the trainer must stay out of that freeze, or teardown's collection cannot free it."""
+def test_the_worker_frees_its_ddp_model_then_leaves_without_the_interpreters_teardown(tmp_path):
+    """Gloo's objects destroyed as a process exits abort a rank now and then (SIGABRT, 'terminate called without an
+    active exception', pytorch#190489: a placed run's node and a restarted run failed so in CI). The worker frees
+    its DDP model before it tears the group down (its imports are frozen for speed; the trainer must stay out of
+    that freeze, or teardown's collection cannot free it), then leaves at once, its output flushed."""
     (tmp_path / "watch.py").write_text(textwrap.dedent(WATCH_THE_MODEL))
     (tmp_path / "cfg.json").write_text(json.dumps({**CFG, "epochs": 1, "strategy": "ddp",
                                                    "checkpoint_dir": str(tmp_path / "ckpt")}))
@@ -134,3 +137,5 @@ def test_the_worker_frees_its_ddp_model_before_it_tears_the_process_group_down(t
                          cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("model alive at teardown: [False]") == 2, out.stdout[-3000:]
+    assert "epoch 1/1" in out.stdout and "interpreter teardown" not in out.stdout, out.stdout[-3000:]
+    assert (tmp_path / "result.json").is_file()
