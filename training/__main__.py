@@ -78,7 +78,7 @@ def _train(cfg, metrics, config_path: str, result_path: str | None, freeze_impor
 
 def _freeze_imports() -> None:
     """What the imports and the setup built lives to the end: frozen, no collection scans it again. Not the
-    trainer: frozen, its DDP reducer would outlive the group (teardown's collection skips it) and abort at exit."""
+    trainer: frozen, its DDP model and reducer would outlive the group (teardown's collection skips them)."""
     import importlib
 
     importlib.import_module("torch._dynamo")  # every optimizer imports it when built (135,000 objects): here, frozen
