@@ -1,7 +1,7 @@
 """A worker's life outside its epochs: `python -m gpuflow.training` on `digits`, one process, as a sweep's
 CPU trial runs it. Per run: process start to the first epoch's line (imports, data, model, the optimizer's
 torch._dynamo import, epoch 1), the last epoch's line to result.json (weights, input example, result), and
-result.json to the process's exit (barrier, teardown, the interpreter's shutdown). A sweep's slot waits
+result.json to the process's exit (barrier, teardown, `os._exit`). A sweep's slot waits
 on all three for every trial.
 
     python -m bench.worker_life --repeats 5

@@ -70,7 +70,7 @@ def _train(cfg, metrics, config_path: str, result_path: str | None, freeze_impor
         distributed.barrier(ctx)  # a rank tearing gloo down while rank 0 still writes can abort (SIGABRT)
         return result
     finally:
-        # DDP's reducer holds the group: freed now, its threads join here, not at shutdown (SIGABRT there)
+        # DDP's model and reducer hold the group: freed before it is torn down (gloo's own threads live on to os._exit)
         trainer = None
         gc.collect()
         distributed.teardown()
