@@ -30,8 +30,8 @@ def hand_on(policy: Policy) -> None:
 
 
 def deployment_id() -> str | None:
-    """The deployment this flow run is a run of, else None. Read once per flow run: Prefect's `deployment.get_id`
-    asks its API for the flow run at every call (three calls per sweep trial, each waiting on the flow's loop)."""
+    """The deployment this flow run is a run of, else None; read once per flow run, as Prefect's
+    `deployment.get_id` asks its API at every call."""
     run = flow_run.get_id()
     return _deployment_of(run) if run else deployment.get_id()
 

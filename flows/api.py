@@ -65,7 +65,7 @@ def _lock_path() -> Path:
     settings = get_current_settings()
     url = make_url(settings.server.database.connection_url.get_secret_value())
     if url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:"):
-        return Path(url.database).expanduser().with_name(Path(url.database).name + ".gpuflow-start.lock")
+        return Path(f"{url.database}.gpuflow-start.lock").expanduser()
     return Path(settings.home).expanduser() / "gpuflow-api-start.lock"
 
 

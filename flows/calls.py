@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import inspect
 import logging
 import os
@@ -55,21 +56,19 @@ def validated(model: type[BaseModel], values: dict) -> BaseModel:
 
 
 def admit(params: BaseModel, values: dict | None = None) -> BaseModel:
-    """The door every job's parameters pass once, before the job reads or runs anything they name: in a served
-    deployment's run the operator's policy (flows/allow.py); then each file a field marks `Exists` is there, the
-    model's `check_contents` reads them, and each code reference resolves (nothing called). `values`: as the
-    caller typed them, for the refusals. A flow's entry calls it (`entered`), the CLI before any server starts,
-    a sweep for each trial's parameters."""
+    """The door every job's parameters pass once, before the job reads or runs anything they name: the operator's
+    policy in a served deployment's run (flows/allow.py), each file a field marks `Exists` there, the model's
+    `check_contents`, each code reference resolving (nothing called). `values`, as typed, word the refusals."""
     from gpuflow.training.refs import check_references
 
     from .allow import check_allowed
 
     check_allowed(params)
-    values = values or {}
     for name, field in type(params).model_fields.items():
-        given = values.get(name, getattr(params, name))
+        value = getattr(params, name)
+        given = (values or {}).get(name, value)
         for mark in (m for m in field.metadata if isinstance(m, Exists)):
-            if isinstance(value := getattr(params, name), str) and (why := mark.refusal(value, given)):
+            if isinstance(value, str) and (why := mark.refusal(value, given)):
                 raise InvalidParameters(f"{name}={cut(repr(given), SHOWN // 2)}: {cut(why)}")
     if hasattr(params, "check_contents"):
         params.check_contents()
@@ -110,7 +109,9 @@ def report_user_errors_once(loggers: tuple[str, ...] = ("",)) -> None:
             handler.addFilter(once)
 
 
-_SAID = False  # this process's handlers have the filter
+@functools.cache  # once a process: the flow runs it holds share the one filter
+def _report_flow_runs_user_errors_once() -> None:
+    report_user_errors_once(("", "prefect.flow_runs", "prefect.task_runs"))
 
 
 def said_once_in_a_deployment_run(e: BaseException) -> None:
@@ -121,10 +122,7 @@ def said_once_in_a_deployment_run(e: BaseException) -> None:
     ctx = FlowRunContext.get()
     if ctx is None or ctx.flow_run is None or ctx.flow_run.deployment_id is None:
         return
-    global _SAID
-    if not _SAID:  # once a process: the flow runs it holds share the one filter
-        report_user_errors_once(("", "prefect.flow_runs", "prefect.task_runs"))
-        _SAID = True
+    _report_flow_runs_user_errors_once()
     get_run_logger().error(one_line(e) if isinstance(e, UserError) else str(e).splitlines()[0])
 
 

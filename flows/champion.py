@@ -33,7 +33,7 @@ def compared(metric: str, evaluation: dict) -> tuple[str, str]:
 
 
 def outcome(promoted: bool, challenger: dict, champion: dict | None, metric: str, champion_v: str | None,
-            mode: str = "max") -> str:
+            mode: str) -> str:
     """The challenger version's outcome tag: the decision and the two scores it compared."""
     if champion is None:
         return f"promoted: {metric} {challenger[metric]:.4f}, no champion before"
@@ -45,7 +45,6 @@ def outcome(promoted: bool, challenger: dict, champion: dict | None, metric: str
 def compare_with_champion(params: RetrainParams, client, challenger_v: str, run_id: str, flow: str) -> dict:
     """Evaluate the challenger version and the champion on the same data and device, move the
     alias to the challenger only if it is better; tag the run `<flow>.*` with the decision."""
-    log = get_run_logger()
     name = params.registered_model
     champion_v = champion_version(client, name)
     # The evaluations use a device as training does; held-out data: the challenger's validation split
@@ -73,7 +72,7 @@ def compare_with_champion(params: RetrainParams, client, challenger_v: str, run_
         f"# {flow.capitalize()}: {decision[f'{flow}.decision']}\n\n| | version | {metric} |\n|---|---|---|\n"
         f"| challenger | {challenger_v} | {decision[f'{flow}.challenger_score']} |\n"
         f"| champion before | {decision[f'{flow}.champion_version']} | {decision[f'{flow}.champion_score']} |\n"))
-    log.info("%s: %s", flow, decision)
+    get_run_logger().info("%s: %s", flow, decision)
     return {"promoted": promoted, **decision}
 
 

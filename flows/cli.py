@@ -139,9 +139,8 @@ def print_report(report) -> None:
 
     con = Console()
     con.print(f"[bold]{report.hostname}[/]: {report.cpu_count} CPUs (GPU facts from: {report.source})")
-    for name, label in (("torch", "torch"), ("cuda", "CUDA"), ("cudnn", "cuDNN"), ("nccl", "NCCL"),
-                        ("driver", "driver")):
-        con.print(f"  {label}: {report.version(name)}", highlight=False)
+    for label in ("torch", "CUDA", "cuDNN", "NCCL", "driver"):
+        con.print(f"  {label}: {report.version(label.lower())}", highlight=False)
     con.print("backends: " + ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in report.backends.items()))
     con.print(f"inherited CUDA_VISIBLE_DEVICES={report.cuda_visible_devices or 'unset'} "
               f"CUDA_DEVICE_ORDER={report.cuda_device_order or 'unset'}", highlight=False)
@@ -165,28 +164,23 @@ RUN_RESULT = ("run_id", "status", "model_version", "epochs_run", "world_size", "
 def load(command: str, model: type[BaseModel]) -> typing.Callable[[dict], dict]:
     """The command's job, its flow module (and with it MLflow) imported."""
     if model is ScriptParams:
-        from .script import train_script
-
-        return lambda values: train_script(**values)
-    if command == "run":
+        from .script import train_script as job
+    elif command == "run":
         from .train import train_pipeline
 
-        def run(values: dict) -> dict:
+        def job(**values) -> dict:
             out = train_pipeline(**values)
             return {k: out.get(k) for k in RUN_RESULT} | {k: out[k] for k in ("node_replacements",) if k in out}
+    elif command == "sweep":
+        from .sweep import sweep as job
+    elif command == "evaluate":
+        from .infer import evaluate_model as job
+    else:
+        from .infer import predict
 
-        return run
-    if command == "sweep":
-        from .sweep import sweep
-
-        return lambda values: sweep(**values)
-    if command == "evaluate":
-        from .infer import evaluate_model
-
-        return lambda values: evaluate_model(**values)
-    from .infer import predict
-
-    return lambda values: predict(InferParams(**values))
+        def job(**values) -> dict:
+            return predict(InferParams(**values))
+    return lambda values: job(**values)
 
 
 def imports_done() -> None:
@@ -197,8 +191,7 @@ def imports_done() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    command, model, values = parse(argv)
+    command, model, values = parse(sys.argv[1:] if argv is None else argv)
     try:
         if command == "probe":
             from gpuflow.tasks.devices.probe import read_environment
@@ -222,8 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         exit_on_sigterm()
         job = load(command, model)
         imports_done()
-        # stdout carries the JSON result alone: what user code prints (on import, say) goes to stderr
-        with contextlib.redirect_stdout(sys.stderr):
+        with contextlib.redirect_stdout(sys.stderr):  # as above: user code may print on import, say
             if command == "infer":  # no flow: nothing to record in Prefect
                 out = job(values)
             else:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import base64
 import os
 import secrets
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from pathlib import Path
 
 from gpuflow.training.errors import UserError
@@ -25,7 +25,7 @@ class Credentials:
 
     def client_env(self) -> dict[str, str]:
         """The variables Prefect's and MLflow's clients read."""
-        return dict(zip(KEYS, (self.prefect_auth_string, self.mlflow_username, self.mlflow_password)))
+        return dict(zip(KEYS, astuple(self)))
 
     def prefect_header(self) -> str:
         return "Basic " + base64.b64encode(self.prefect_auth_string.encode()).decode()
@@ -42,26 +42,14 @@ def write_private(path: Path, text: str) -> None:
         f.write(text)
 
 
-def read_env_file(path: Path) -> dict[str, str]:
-    lines = (line.strip() for line in path.read_text().splitlines())
-    return dict(line.split("=", 1) for line in lines if line and not line.startswith("#") and "=" in line)
-
-
 def load_credentials(path: Path) -> Credentials:
-    values = read_env_file(path)
+    lines = (line.strip() for line in path.read_text().splitlines())
+    values = dict(line.split("=", 1) for line in lines if "=" in line and not line.startswith("#"))
     missing = [k for k in KEYS if not values.get(k)]
     if missing:
         raise UserError(f"{path} lacks {', '.join(missing)}: put back the file the stack made at its first start "
                         f"(its lines: {', '.join(KEYS)})")
     return Credentials(*(values[k] for k in KEYS))
-
-
-def make_credentials(path: Path) -> Credentials:
-    password = secrets.token_urlsafe(24)  # URL-safe: sourced by a shell unquoted, sent in basic auth as is
-    made = Credentials(f"{USERNAME}:{password}", USERNAME, password)
-    body = "".join(f"{k}={v}\n" for k, v in made.client_env().items())
-    write_private(path, "# gpuflow stack: the servers' credentials; load with `set -a; . <this file>; set +a`\n" + body)
-    return made
 
 
 def stack_credentials(data: Path) -> tuple[Credentials, bool]:
@@ -70,4 +58,8 @@ def stack_credentials(data: Path) -> tuple[Credentials, bool]:
     if path.exists():
         path.chmod(0o600)
         return load_credentials(path), False
-    return make_credentials(path), True
+    password = secrets.token_urlsafe(24)  # URL-safe: sourced by a shell unquoted, sent in basic auth as is
+    made = Credentials(f"{USERNAME}:{password}", USERNAME, password)
+    body = "".join(f"{k}={v}\n" for k, v in made.client_env().items())
+    write_private(path, "# gpuflow stack: the servers' credentials; load with `set -a; . <this file>; set +a`\n" + body)
+    return made, True

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 import uuid
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
@@ -45,7 +45,7 @@ def run_job(launcher, where: Placement | None = None) -> dict:
     id, the registered version and the steps' timings (`rank0` False on another node; `stopped`)."""
     where = where or Placement()
     p = launcher.params
-    with training_session(p, launcher.batch_size, launcher.precision, slot=where.slot) as s:
+    with training_session(p, slot=where.slot) as s:
         dataset = launcher.prepare(s)
         rdzv = rendezvous(where.node, p.nodes, p.rdzv_timeout_s) if where.node else None
         with job_run(s, launcher, where, dataset) as run:
@@ -56,8 +56,7 @@ def run_job(launcher, where: Placement | None = None) -> dict:
             if where.on_run:
                 where.on_run(run)
             first = where.node is None or (where.node.index == 0 and where.node.round == 0)  # a run's params once
-            how = Launch(log_params=first, retries=where.node is None,
-                         rdzv=rdzv, node=where.node and where.node.name, on_metrics=where.on_metrics,
+            how = Launch(log_params=first, rdzv=rdzv, node=where.node and where.node.name, on_metrics=where.on_metrics,
                          metric=where.metric, stop=where.stop, cwd=where.cwd(run) if where.cwd else None,
                          upload_checkpoints=bool(where.node and where.node.keep_all),
                          checkpoint_each_epoch=where.checkpoint_each_epoch)
@@ -115,9 +114,7 @@ def attach(s: Session, p, job: NodeJob) -> tracked.TrackedRun:
     return run
 
 
-@contextmanager
-def parent_run(p, name: str, tags: dict, resume: str | None = None) -> Iterator[tracked.TrackedRun]:
+def parent_run(p, name: str, tags: dict, resume: str | None = None) -> AbstractContextManager[tracked.TrackedRun]:
     """The run of a job's parent (a placed run's, a sweep's): its nodes or trials log into or under it."""
-    with tracked.tracked_run(p.tracking_uri, p.experiment, name, {**run_tags(), **tags}, None, p.runs_dir,
-                             resume=resume) as run:
-        yield run
+    return tracked.tracked_run(p.tracking_uri, p.experiment, name, {**run_tags(), **tags}, None, p.runs_dir,
+                               resume=resume)

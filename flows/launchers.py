@@ -33,7 +33,7 @@ def dataset_label(dataset: str) -> str:
     """imagefolder:/data/pets -> pets; myproj.data:datasets -> datasets; built-in names as they are."""
     if dataset.startswith("imagefolder:"):
         return Path(dataset.split(":", 1)[1]).name
-    return dataset.rpartition(":")[2] if ":" in dataset else dataset
+    return dataset.rpartition(":")[2]
 
 
 def stem(values: dict) -> str:
@@ -65,7 +65,6 @@ class Launch:
     a stop event and a per-epoch listener (a sweep's trial), a working folder (a script's trial)."""
 
     log_params: bool = True
-    retries: bool = True
     rdzv: Rendezvous | None = None
     node: str | None = None
     on_metrics: Callable[[int, dict], None] | None = None  # (epoch, metrics): a sweep's pruner
@@ -86,7 +85,6 @@ class Worker:
         self.params, self.data = params, None
         self.stem = stem({"model": params.model, "dataset": params.dataset})
         self.tags = {"dataset": params.dataset, "model": params.model}
-        self.batch_size, self.precision = params.batch_size, params.precision
 
     def prepare(self, s: Session) -> dict:
         self.data = prepared(self.params, s)
@@ -97,7 +95,8 @@ class Worker:
         config = worker_config(p, s.plan, self.data, folder, how.checkpoint_each_epoch)
         if run is not None and how.log_params:
             run.log_params(p.run_params(config, s.plan))
-        launch = launch_training.with_options(retries=p.launch_retries if how.retries else 0,
+        # a node of a placed run is not retried alone: the parent handles a failed node (flows/nodes.py place)
+        launch = launch_training.with_options(retries=p.launch_retries if how.rdzv is None else 0,
                                               retry_condition_fn=retry_unless_it_repeats)
         uploads = folder.checkpoints if how.upload_checkpoints else None
         with s.timer("launch"), run.relaying_metrics(how.on_metrics, uploads) if run else nullcontext():
@@ -141,7 +140,6 @@ class Script:
 
     node_flow = "script-node"
     resumes_itself = True  # from its own checkpoint, as under torchrun's restarts: gpuflow cannot tell where it is
-    batch_size = precision = None
 
     def __init__(self, params: ScriptParams):
         self.params = params

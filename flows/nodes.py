@@ -25,7 +25,7 @@ from .calls import flat_parameters, one_line
 from .job import PLACED_RESULT, Placement, parent_run, run_job
 from .launchers import Script, Worker
 from .params import PipelineParams, ScriptParams
-from .rendezvous import POLL_S, NodeFailed, NodeJob, as_a_node, node_name, variable
+from .rendezvous import POLL_S, NodeFailed, NodeJob, as_a_node, node_name, rdzv_variable
 from .watch import watch
 from .session import current_name
 
@@ -53,9 +53,8 @@ def place(launcher) -> dict:
                         "the team stack's tracking server needs none (gpuflow stack)", params.tracking_uri)
         want = params.nodes
         while True:
-            machines = ready_queues(params.node_pool, want, params.min_nodes or want, [m for m, _ in lost],
-                                    params.rdzv_timeout_s if lost else 0, lost)
-            round_id = f"{job}-r{len(lost)}" if lost else str(job)
+            machines = ready_queues(params.node_pool, want, params.min_nodes or want, lost, params.rdzv_timeout_s)
+            round_id = f"{job}-r{len(lost)}" if lost else job
             run.client.set_tag(run.run_id, "machines", ",".join(machines))
             if lost:  # a spare came, or the run goes on with fewer machines
                 fewer = "" if len(machines) >= want else (
@@ -80,19 +79,19 @@ def place(launcher) -> dict:
             except NodeFailed as e:
                 failed = e
             finally:  # the round's endpoint gone before anything else is said or waited for (a stop may come)
-                Variable.unset(variable("rdzv", round_id))
+                Variable.unset(rdzv_variable(round_id))
             if len(lost) >= params.max_node_failures or failed.node is None:
                 raise failed
             if failed.repeats:
                 log.warning("not replacing %s: a spare would fail the same way (the job's own failure: your "
                             "code, data or values, before any progress)", failed.node)
                 raise failed
-            lost.append((failed.node, str(failed).splitlines()[0]))
+            why = str(failed).splitlines()[0]
+            lost.append((failed.node, why))
             resume, epoch = (None, None) if launcher.resumes_itself else last_checkpoint(run)
             resumed = "the script resumes from its own checkpoint" if launcher.resumes_itself else \
                 f"resumed after epoch {epoch}"
-            log.warning("%s; replacing it (%d of %d), %s", str(failed).splitlines()[0], len(lost),
-                        params.max_node_failures, resumed)
+            log.warning("%s; replacing it (%d of %d), %s", why, len(lost), params.max_node_failures, resumed)
         try:
             with tempfile.TemporaryDirectory() as d:
                 result = json.loads(Path(run.client.download_artifacts(run.run_id, str(PLACED_RESULT), d)).read_text())
@@ -115,14 +114,14 @@ def last_checkpoint(run) -> tuple[str | None, int | None]:
     return path, epoch
 
 
-def ready_queues(pool: str, count: int, at_least: int, exclude: list[str] = (), wait_s: float = 0,
-                 lost=()) -> list[str]:
-    """`count` machines of the pool whose queue a worker polled in the last minute, by name, none of
-    `exclude`; waiting up to `wait_s` for them (a spare for a lost machine), then taking `at_least` of them."""
+def ready_queues(pool: str, count: int, at_least: int, lost: list[tuple[str, str]], wait_s: float) -> list[str]:
+    """`count` machines of the pool whose queue a worker polled in the last minute, by name, none of the `lost`
+    (machine, why); once a machine was lost, waiting up to `wait_s` for them (a spare), then taking `at_least`."""
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
 
-    deadline = time.monotonic() + wait_s
+    deadline = time.monotonic() + (wait_s if lost else 0)
+    exclude = [m for m, _ in lost]
     with get_client(sync_client=True) as client:
         while True:
             try:
@@ -137,12 +136,12 @@ def ready_queues(pool: str, count: int, at_least: int, exclude: list[str] = (), 
             if time.monotonic() >= deadline:
                 break
             time.sleep(POLL_S)
-    if lost and len(ready) >= at_least:
-        return ready
     if lost:
-        raise NodeFailed(f"node {lost[-1][0]} failed ({lost[-1][1]}) and no spare machine of node_pool {pool!r} came "
-                         f"within {wait_s:g} s (online: {', '.join(ready) or 'none'}; lost: "
-                         f"{', '.join(m for m, _ in lost)})")
+        if len(ready) >= at_least:
+            return ready
+        raise NodeFailed(f"node {lost[-1][0]} failed ({lost[-1][1]}) and no spare machine of node_pool {pool!r} "
+                         f"came within {wait_s:g} s (online: {', '.join(ready) or 'none'}; lost: "
+                         f"{', '.join(exclude)})")
     raise UserError(f"nodes={count} but node_pool {pool!r} has {len(ready)} machine(s) with a worker "
                     f"online ({', '.join(ready) or 'none'}); start `gpuflow node --pool {pool}` on more "
                     "machines, or lower nodes")

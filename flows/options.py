@@ -34,30 +34,32 @@ def origin_is(annotation, kind: type) -> bool:
     return any(a is kind or typing.get_origin(a) is kind for a in (annotation, *args))
 
 
+def _cli(field) -> str | None:
+    """The field's `cli` mark: REST, RANGE or none."""
+    extra = field.json_schema_extra
+    return extra.get("cli") if isinstance(extra, dict) else None
+
+
 def add_field(p: argparse.ArgumentParser, name: str, field) -> None:
     """One option for one declared field: its type, choices, default and help."""
+    if _cli(field) == REST:
+        return  # filled from the arguments after `--` (cli.parse)
     flag = "--" + name.replace("_", "-")
     kind = field.annotation
     default = "required" if field.is_required() else f"default: {json.dumps(field.default)}"
-    help_ = f"{field.description or ''} ({default})".strip()
-    extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
-    args = [a for a in typing.get_args(kind) if a is not type(None)]
-    if extra.get("cli") == REST:
-        return  # filled from the arguments after `--` (see parse)
-    if extra.get("cli") == RANGE:  # N, or MIN:MAX that the model splits
-        p.add_argument(flag, dest=name, type=lambda text: int(text) if text.strip().isdigit() else text,
-                       metavar="N|MIN:MAX", help=help_)
-        return
-    if kind is bool:
-        p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, help=help_)
+    option = dict(dest=name, help=f"{field.description or ''} ({default})".strip())
+    container = next((c for c in (dict, list) if origin_is(kind, c)), None)
+    if _cli(field) == RANGE:
+        p.add_argument(flag, type=lambda t: int(t) if t.strip().isdigit() else t, metavar="N|MIN:MAX", **option)
+    elif kind is bool:
+        p.add_argument(flag, action=argparse.BooleanOptionalAction, **option)
     elif typing.get_origin(kind) is typing.Literal:
-        p.add_argument(flag, dest=name, choices=list(typing.get_args(kind)), help=help_)
-    elif origin_is(kind, dict) or origin_is(kind, list):
-        p.add_argument(flag, dest=name, type=_json_arg(flag, dict if origin_is(kind, dict) else list),
-                       metavar="JSON", help=help_)
+        p.add_argument(flag, choices=list(typing.get_args(kind)), **option)
+    elif container:
+        p.add_argument(flag, type=_json_arg(flag, container), metavar="JSON", **option)
     else:
-        base = next((a for a in (kind, *args) if a in (int, float, str)), str)
-        p.add_argument(flag, dest=name, type=base, metavar=name.upper(), help=help_, required=field.is_required())
+        base = next((a for a in (kind, *typing.get_args(kind)) if a in (int, float, str)), str)
+        p.add_argument(flag, type=base, metavar=name.upper(), required=field.is_required(), **option)
 
 
 def add_model(p: argparse.ArgumentParser, model: type[BaseModel]) -> None:
@@ -67,5 +69,4 @@ def add_model(p: argparse.ArgumentParser, model: type[BaseModel]) -> None:
 
 
 def rest_field(model: type[BaseModel]) -> str | None:
-    return next((n for n, f in model.model_fields.items()
-                 if isinstance(f.json_schema_extra, dict) and f.json_schema_extra.get("cli") == REST), None)
+    return next((n for n, f in model.model_fields.items() if _cli(f) == REST), None)

@@ -1,8 +1,7 @@
-"""Every parameter of gpuflow's flows, declared once (type, default, bounds, help) in one tree: the parts below,
-composed into each flow's model (the worker's own fields are `training/config.py Training`, which the worker
-validates too). Their field types and pure checks are flows/fields.py. The flows' signatures, the CLI options, the
-Prefect form and the deployments derive from these models. Parameters are flat on purpose: `-p epochs=3` and
-`--epochs 3` name fields directly.
+"""Every parameter of gpuflow's flows, declared once (type, default, bounds, help): the parts below, composed into
+each flow's model, from which the flows' signatures, the CLI, the Prefect form and the deployments derive. Field types
+and pure checks: flows/fields.py; the worker's own fields: `training/config.py Training`. Flat on purpose:
+`-p epochs=3` and `--epochs 3` name fields directly.
 """
 
 from __future__ import annotations
@@ -107,8 +106,7 @@ class Nodes(Machines):
 
 
 class Tracking(BaseModel):
-    """The tracking part of a flow's parameters: where and under which names a run is recorded, not
-    how it trains (so none of it is among the run's params)."""
+    """Where and under which names a run is recorded, not how it trains: none of it is among the run's params."""
 
     experiment: Name = Field("gpuflow", description="MLflow experiment name")
     run_name: Name | None = Field(None, description="the MLflow and Prefect run name; unset, it is "
@@ -235,10 +233,10 @@ class SweepParams(Sweep, RetrainParams):
         else:
             check_metric(self.objective, self.optimize)
         named = explicit_ids(self.gpus)
-        if named and self.parallel != "auto" and int(self.parallel) * self.gpus_per_trial > len(named):
-            raise SweepError(f"parallel={self.parallel} trials x gpus_per_trial={self.gpus_per_trial} need "
-                             f"{int(self.parallel) * self.gpus_per_trial} cards but gpus={self.gpus} names "
-                             f"{len(named)}; lower parallel or name more cards")
+        cards = 0 if self.parallel == "auto" else int(self.parallel) * self.gpus_per_trial
+        if named and cards > len(named):
+            raise SweepError(f"parallel={self.parallel} trials x gpus_per_trial={self.gpus_per_trial} need {cards} "
+                             f"cards but gpus={self.gpus} names {len(named)}; lower parallel or name more cards")
         return self
 
     def check_contents(self) -> None:

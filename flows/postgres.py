@@ -79,8 +79,8 @@ class Cluster:
             write_private(self.dir / name, text)
             shutil.chown(self.dir / name, self.owner)
 
-    def _conninfo(self, user: str, dbname: str) -> dict:
-        return dict(host=str(self.socket), user=user, dbname=dbname)
+    def _conninfo(self, dbname: str) -> dict:
+        return dict(host=str(self.socket), user=SUPERUSER, dbname=dbname)
 
     def _wait_ready(self) -> None:
         import psycopg
@@ -88,7 +88,7 @@ class Cluster:
         deadline = time.monotonic() + READY_S
         while True:
             try:
-                psycopg.connect(**self._conninfo(SUPERUSER, "postgres")).close()
+                psycopg.connect(**self._conninfo("postgres")).close()
                 return
             except psycopg.OperationalError as e:
                 starting = e.sqlstate in (None, "57P03")  # nothing listens yet, or "the database system is starting up"
@@ -101,7 +101,7 @@ class Cluster:
         """ROLE, no superuser, owns the stack's databases (and the objects an older stack made in them)."""
         import psycopg
 
-        with psycopg.connect(**self._conninfo(SUPERUSER, "postgres"), autocommit=True) as conn:
+        with psycopg.connect(**self._conninfo("postgres"), autocommit=True) as conn:
             if not conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (ROLE,)).fetchone():
                 conn.execute(f'CREATE ROLE "{ROLE}"')
             conn.execute(f'ALTER ROLE "{ROLE}" LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS')
@@ -112,7 +112,7 @@ class Cluster:
                 else:
                     conn.execute(f'CREATE DATABASE "{name}" OWNER "{ROLE}"')
         for name in have.intersection(DATABASES):
-            with psycopg.connect(**self._conninfo(SUPERUSER, name), autocommit=True) as conn:
+            with psycopg.connect(**self._conninfo(name), autocommit=True) as conn:
                 conn.execute(HAND_OVER)
 
     def stop(self) -> None:

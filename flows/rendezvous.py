@@ -54,8 +54,9 @@ class NodeFailed(TrainingFailed):
         self.node, self.repeats = node, repeats
 
 
-def variable(kind: str, job_id: str) -> str:
-    return f"gpuflow-{kind}-{job_id}"
+def rdzv_variable(job_id: str) -> str:
+    """The Prefect Variable in which node 0 publishes the rendezvous endpoint."""
+    return f"gpuflow-rdzv-{job_id}"
 
 
 def node_address() -> str:
@@ -63,8 +64,8 @@ def node_address() -> str:
     Prefect API from (the network the nodes share with the orchestration)."""
     from prefect.settings import PREFECT_API_URL
 
-    if os.environ.get(NODE_ADDR_ENV):
-        return os.environ[NODE_ADDR_ENV]
+    if address := os.environ.get(NODE_ADDR_ENV):
+        return address
     host = urllib.parse.urlparse(PREFECT_API_URL.value() or "http://127.0.0.1").hostname or "127.0.0.1"
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect((host, 9))  # no packet is sent: this only picks the route's source address
@@ -75,7 +76,7 @@ def rendezvous(job: NodeJob, nodes: int, timeout_s: float) -> Rendezvous:
     """Node 0 picks a free port on its address and publishes the endpoint; the others read it."""
     from prefect.variables import Variable
 
-    address, key = node_address(), variable("rdzv", job.id)
+    address, key = node_address(), rdzv_variable(job.id)
     if job.index == 0:
         with socket.socket() as s:
             s.bind((address, 0))
@@ -100,8 +101,8 @@ def interface_of(address: str) -> str | None:
 
 
 def node_name() -> str:
-    p = flow_run.get_parameters()
-    return f"{p.get('job', {}).get('name', 'node')}-{str(p.get('job', {}).get('id', ''))[:8]}"
+    job = flow_run.get_parameters().get("job", {})
+    return f"{job.get('name', 'node')}-{str(job.get('id', ''))[:8]}"
 
 
 def as_a_node(fn):

@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import sys
+from contextlib import suppress
 from pathlib import Path
 
 from prefect import serve
@@ -49,22 +50,22 @@ def deployments(settings: Settings | None = None) -> list:
     ]
 
 
-def ensure_device_limit(limit: int = 1) -> str:
-    """Create (or keep) this host's global concurrency limit for device-holding runs."""
+def ensure_device_limit() -> str:
+    """Create (or keep) this host's global concurrency limit for device-holding runs: one at a time."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
 
     name = DEVICE_LIMIT.format(host=socket.gethostname())
     if not limit_exists(name):
         with get_client(sync_client=True) as client:
-            client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=limit))
+            client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
     return name
 
 
 def interrupt_on_ctrl_c() -> None:
     """Ctrl-C raises KeyboardInterrupt wherever the serving loop is, and serve() shuts down."""
 
-    # asyncio.run's own handler only cancels the runner's main task (serve did not return); ours keeps it out
+    # asyncio.run swaps Python's default handler for one that only cancels its main task (serve did not return)
     def handler(signum, frame):
         raise KeyboardInterrupt
 
@@ -106,14 +107,11 @@ def serve_node(service: NodeService) -> int:
                         "(e.g. http://10.0.0.5:4200/api), as on the machine that starts the runs")
     name = service.name or socket.gethostname().split(".")[0]
     with get_client(sync_client=True) as client:
-        try:  # machines starting together race to make the pool and the deployment: either wins
+        # machines starting together race to make the pool and the deployment: either wins
+        with suppress(ObjectAlreadyExists):
             client.create_work_pool(WorkPoolCreate(name=service.pool, type="process"))
-        except ObjectAlreadyExists:
-            pass
-        try:
+        with suppress(ObjectAlreadyExists):
             client.create_work_queue(name=name, work_pool_name=service.pool, concurrency_limit=1)
-        except ObjectAlreadyExists:
-            pass
     for node_flow in (train_node, script_node):
         node_flow.to_deployment(name=service.pool, tags=["gpuflow"], entrypoint_type=EntrypointType.MODULE_PATH,
                                 description="One machine's part of a placed run (gpuflow run --nodes N)."

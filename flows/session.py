@@ -12,7 +12,7 @@ import uuid
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 from prefect import get_run_logger
 from prefect.runtime import deployment, flow_run
@@ -47,7 +47,6 @@ class Session:
     """The devices a run holds: the host's report, the plan, the card locks' descriptors (which
     the launcher's children hold too), and the time each step took."""
 
-    params: Any
     report: EnvironmentReport
     plan: DevicePlan
     cards: tuple[int, ...]
@@ -56,8 +55,7 @@ class Session:
 
 
 @contextmanager
-def training_session(params, batch_size: int | None = None, precision: str | None = None,
-                     slot: bool = True) -> Iterator[Session]:
+def training_session(params, slot: bool = True) -> Iterator[Session]:
     """For parameters admitted at the job's door (flows/calls.py `admit`): the host's device slot taken (unless
     `slot` is False: a sweep's trial, whose sweep holds it), devices probed and assigned, their cards locked."""
     with device_slot() if slot else nullcontext():  # served runs on one host queue here
@@ -65,11 +63,12 @@ def training_session(params, batch_size: int | None = None, precision: str | Non
         with timer("probe"):
             report = probe_environment()
         with timer("assign"):
-            plan = assign_devices(report, params, batch_size, precision)
+            plan = assign_devices(report, params, getattr(params, "batch_size", None),
+                                  getattr(params, "precision", None))  # a script's params have neither
         for warning in plan.warnings:  # a card shared with another program trains slower, or runs out of memory
             get_run_logger().warning("%s", warning)
         with card_locks(plan) as locks:
-            yield Session(params, report, plan, locks.fds, timer)
+            yield Session(report, plan, locks.fds, timer)
 
 
 @contextmanager

@@ -68,13 +68,10 @@ def server_command(s: Settings) -> list[str]:
     return [sys.executable, "-m", "prefect", "server", "start", "--host", s.prefect_host, "--port", str(s.prefect_port)]
 
 
-# MLflow's server starts a job system for GenAI features gpuflow never uses; its polling takes CPU (bench/RESULTS.md)
-MLFLOW_SERVER_DEFAULTS = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-
-
 def mlflow_server_environment() -> dict[str, str]:
-    """The environment for an MLflow server gpuflow starts: this one, with MLFLOW_SERVER_DEFAULTS for what it lacks."""
-    return {**MLFLOW_SERVER_DEFAULTS, **os.environ}
+    """The environment for an MLflow server gpuflow starts: this one, its job system off unless set there."""
+    # a job system for GenAI features gpuflow never uses, whose polling takes CPU (bench/RESULTS.md)
+    return {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **os.environ}
 
 
 def ui_command(s: Settings, tracking_uri: str) -> list[str]:

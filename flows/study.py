@@ -10,6 +10,7 @@ import threading
 import time
 import urllib.parse
 import warnings
+from collections import Counter
 from contextlib import contextmanager
 from contextvars import copy_context
 from dataclasses import dataclass
@@ -83,10 +84,9 @@ def open_study(params: SweepParams, direction: str, url: str):
 
 class Pruning:
     """The study's pruner asked about a running trial's values as this process reported them, against a copy of the
-    study's COMPLETE trials. (`Trial.should_prune()` reads the running trial back from the database on every call,
-    ~4 ms a line and more as its epochs grow.) A trial this sweep completes joins the copy at once
-    (`completed_here`); the whole copy is read again at most every PRUNE_REFRESH_S, for trials completed by another
-    process sharing the study, which alone may be left out that long. The rule and its inputs are Optuna's."""
+    study's COMPLETE trials (`Trial.should_prune()` reads the running trial back from the database on every call).
+    A trial this sweep completes joins the copy at once; the copy is read again every PRUNE_REFRESH_S, for trials
+    another process sharing the study completed. The rule and its inputs are Optuna's."""
 
     def __init__(self, study):
         self.study, self._lock, self._read_at, self._completed = study, threading.Lock(), -math.inf, None
@@ -175,14 +175,11 @@ def best_so_far(study) -> str:
 
 def summarize(study, parent: tracked.TrackedRun, metric: str) -> dict:
     """The parent run's table of trials, best params and score."""
-    from optuna.trial import TrialState
-
-    complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
     table = study.trials_dataframe(attrs=("number", "value", "params", "state", "duration", "user_attrs"))
     parent.client.log_text(parent.run_id, table.to_csv(index=False), "sweep/trials.csv")
-    states = {s.name.lower(): n for s in TrialState if (n := sum(1 for t in study.trials if t.state == s))}
+    states = dict(Counter(t.state.name.lower() for t in study.get_trials(deepcopy=False)))
     parent.log_metrics({f"sweep.trials_{k}": v for k, v in states.items()})
-    if not complete:
+    if "complete" not in states:
         return {"best_run_id": None, "trials": states}
     best = study.best_trial
     parent.log_metrics({f"best_{metric}": best.value})

@@ -64,9 +64,8 @@ def sweep(params: SweepParams) -> dict:
         policy.check_storage(url, params.tracking_uri)
     kept = open_study(params, direction, url)
     study, name = kept.study, kept.study.study_name
-    done = counted(study)
-    log.info("sweep %s: %d of %d trials done; %d at a time on %s; optimizing %s (%s); study in %s", name, done,
-             params.trials, slots.parallel, "GPUs" if slots.gpu else "CPU slots", metric, direction,
+    log.info("sweep %s: %d of %d trials done; %d at a time on %s; optimizing %s (%s); study in %s", name,
+             counted(study), params.trials, slots.parallel, "GPUs" if slots.gpu else "CPU slots", metric, direction,
              shown(url))
     resume = study.user_attrs.get("mlflow_run_id")
     client = store.prepare_store(params.tracking_uri)
@@ -80,7 +79,7 @@ def sweep(params: SweepParams) -> dict:
                                "sweep.pruner": params.pruner, "sweep.optimize": metric,
                                "sweep.direction": direction, "sweep.space": sorted(space)})
         with device_slot():  # one served run on this host's devices (its trials do not queue on it again)
-            finished = run_trials(kept, space, params, slots, parent.run_id, metric, name)
+            finished = run_trials(kept, space, params, slots, parent.run_id, metric)
         summary = summarize(study, parent, metric)
         if summary.get("best_run_id"):
             summary |= register_best(params, client, summary, name, finished.get(summary["best_run_id"]),
@@ -100,36 +99,32 @@ def run_exists(client, run_id: str) -> bool:
 
 
 def run_trials(kept: Kept, space: dict[str, Distribution], params: SweepParams, slots: Slots, parent_id: str,
-               metric: str, name: str) -> dict[str, dict]:
+               metric: str) -> dict[str, dict]:
     """Ask, run and tell until the budget is met, at most `slots.parallel` at a time, each on a slot of its own;
     stopped from outside, the trials' ranks are stopped and their trials marked cut off; {run id: result}."""
-    from optuna.trial import TrialState
-
-    log, study = get_run_logger(), kept.study
+    log, study, name = get_run_logger(), kept.study, kept.study.study_name
     running: dict[Future, Trial] = {}
     outcomes: dict[str, dict] = {}  # run id -> rank 0's result, as each trial returned it
-    failures, waiting_since, last_beat = 0, None, 0.0
+    failures, warned, last_beat = 0, False, 0.0
     pool = ThreadPoolExecutor(max_workers=slots.parallel, thread_name_prefix="gpuflow-trial")
     done = counted(study)  # read again only when it may have changed: it reads every trial's every value
     try:
         while (wanted := params.trials - done - len(running)) > 0 or running:
             if wanted > 0 and len(running) < slots.parallel:
-                slot = slots.take()
-                if slot is not None and params.trials - (done := counted(study)) - len(running) <= 0:
-                    slots.give_back(slot)  # another process sharing the study met the budget meanwhile
-                    continue
-                if slot is None:
-                    if not running and waiting_since is None:
-                        waiting_since = time.monotonic()
-                        log.warning("sweep %s: every slot is held by another gpuflow run; waiting", name)
-                    if not running:  # no trial to wait on: look for a slot again in a second
-                        time.sleep(1.0)
+                if (slot := slots.take()) is not None:
+                    if params.trials - (done := counted(study)) - len(running) <= 0:
+                        slots.give_back(slot)  # another process sharing the study met the budget meanwhile
                         continue
-                else:
-                    waiting_since = None
+                    warned = False
                     t = start_trial(kept, space, slot)
                     log.info("trial %d on %s: %s", t.trial.number, slot.label, t.values)
                     running[pool.submit(copy_context().run, run_trial, t, params, parent_id, metric, name)] = t
+                    continue
+                if not running:  # no trial to wait on: look for a slot again in a second
+                    if not warned:
+                        log.warning("sweep %s: every slot is held by another gpuflow run; waiting", name)
+                    warned = True
+                    time.sleep(1.0)
                     continue
             if time.monotonic() - last_beat > HEARTBEAT_S / 2:
                 for t in running.values():
@@ -141,7 +136,7 @@ def run_trials(kept: Kept, space: dict[str, Distribution], params: SweepParams, 
                 if t.result is not None:
                     outcomes[t.run_id] = t.result
                 slots.give_back(t.slot)
-                failures = 0 if tell(study, t, fut, log) != TrialState.FAIL else failures + 1
+                failures = failures + 1 if tell(study, t, fut, log) else 0
                 if failures >= CONSECUTIVE_FAILURES:
                     raise SweepError(f"sweep {name}: {failures} trials failed in a row, the last: "
                                      f"{one_line(fut.exception())}") from fut.exception()
@@ -171,8 +166,8 @@ def start_trial(kept: Kept, space: dict[str, Distribution], slot: Slot) -> Trial
     return Trial(trial, slot, {n: d.suggest(trial, n) for n, d in space.items()}, pruning=kept.pruning)
 
 
-def tell(study, t: Trial, fut: Future, log):
-    """Record the trial's end in the study: its score, pruned, or failed (with the first line why)."""
+def tell(study, t: Trial, fut: Future, log) -> bool:
+    """Record the trial's end in the study (its score, pruned, or failed with the first line why); True if failed."""
     from optuna.trial import TrialState
 
     error = fut.exception()
@@ -180,17 +175,17 @@ def tell(study, t: Trial, fut: Future, log):
     if error is None and t.pruned_at is not None:
         study.tell(t.trial, state=TrialState.PRUNED)
         log.info("trial %d: pruned after epoch %d", t.trial.number, t.pruned_at)
-        return TrialState.PRUNED
+        return False
     if error is None:
         t.pruning.completed_here(study.tell(t.trial, fut.result()))
         log.info("trial %d: %s", t.trial.number, fut.result())
-        return TrialState.COMPLETE
+        return False
     if isinstance(error, SweepError):
         raise error
     t.trial.set_user_attr("error", one_line(error)[:1000])
     study.tell(t.trial, state=TrialState.FAIL)
     log.warning("trial %d failed: %s", t.trial.number, one_line(error))
-    return TrialState.FAIL
+    return True
 
 
 def register_best(params: SweepParams, client, summary: dict, name: str, result: dict | None, beside) -> dict:

@@ -29,12 +29,6 @@ from .space import SweepError, with_values
 STORE_EVERY_S = 1.0  # a trial's values reach the study at most this often (each is a database write), all at its end
 
 
-def check_cards(params: SweepParams, report: EnvironmentReport) -> None:
-    """The cards `gpus` asks for, checked as `gpuflow run` checks them: refused on a host without usable GPUs."""
-    if params.gpus not in ("auto", "cpu"):  # busy cards are no refusal: the sweep waits for them
-        assign_devices_for(report, Devices(gpus=params.gpus, skip_busy=False), batch_size=None)
-
-
 @dataclass
 class Slot:
     """The devices of one trial: explicit cards ('3,1,'), or a CPU slot: its cores, each held by its lock."""
@@ -53,7 +47,8 @@ class Slots:
     is never given: the sweep waits."""
 
     def __init__(self, params: SweepParams, report: EnvironmentReport, probe=probe_environment):
-        check_cards(params, report)
+        if params.gpus not in ("auto", "cpu"):  # refused as `gpuflow run` would; busy ones are waited for
+            assign_devices_for(report, Devices(gpus=params.gpus, skip_busy=False), batch_size=None)
         self.probe = probe
         visible = report.visible_physical_ids()
         self.gpu = bool(visible) and params.gpus != "cpu"
@@ -70,14 +65,13 @@ class Slots:
             what = f"{report.cpu_count} CPUs ({self.per_trial} process(es) per trial)"
         if capacity < 1:
             raise SweepError(f"gpus_per_trial={self.per_trial} is more than the {what}; ask for fewer per trial")
-        want = capacity if params.parallel == "auto" else int(params.parallel)
-        if want > capacity:
+        self.parallel = capacity if params.parallel == "auto" else int(params.parallel)
+        if self.parallel > capacity:
             raise SweepError(f"parallel={params.parallel} trials do not fit on {what}: at most {capacity} "
                              "run at a time; lower parallel or gpus_per_trial")
-        self.parallel = want
         if not self.gpu:  # each trial its share of the host's cores, all used however few run at a time
-            self.cores = report.cpu_count // want
-            self.pool = list(range(want))
+            self.cores = report.cpu_count // self.parallel
+            self.pool = list(range(self.parallel))
         self.busy: set[int] = set()
         self._mutex = threading.Lock()
 

@@ -40,7 +40,7 @@ def prepare_dataset(cfg: TrainConfig) -> DatasetInfo:
         path, meta = found or (None, datacache.digits_description() if cfg.dataset == "digits" else
                                datacache.synthetic_description(cfg.synthetic_size, cfg.synthetic_side))
         d = {**meta, "cache": path and str(path),
-             "input_shape": list(input_shape_for(cfg.model, tuple(meta["native_shape"])))}
+             "input_shape": input_shape_for(cfg.model, tuple(meta["native_shape"]))}
     else:
         from gpuflow.training.data import prepare
 
@@ -63,8 +63,7 @@ def describe_user_data(cfg: TrainConfig) -> DatasetInfo:
     b = user_datasets(cfg)
     return DatasetInfo(name=cfg.dataset, root=cfg.data_root, num_samples=len(b.train) + len(b.val),
                        train_samples=len(b.train), val_samples=len(b.val), num_classes=b.num_classes,
-                       input_shape=list(b.input_shape) if b.input_shape is not None else None,
-                       sha256=b.fingerprint["sha256"])
+                       input_shape=b.input_shape, sha256=b.fingerprint["sha256"])
 
 
 def check_classes(dataset: str, classes: list[str] | None, num_samples: int) -> None:

@@ -79,7 +79,7 @@ def torchrun(plan: DevicePlan, launch: Torchrun, opts: Nodes | Machines, rdzv: R
                 "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv.endpoint}", f"--rdzv-id={rdzv.id}",
                 f"--local-addr={rdzv.local_addr}",  # the workers' MASTER_ADDR, when rank 0 is here
                 f"--rdzv-conf=is_host={str(rdzv.host).lower()},join_timeout={opts.rdzv_timeout_s}"]
-    if one_machine(opts):  # a script's: no low-level path
+    if getattr(opts, "nnodes", 1) == 1 and not getattr(opts, "rdzv_endpoint", None):  # all ranks here
         cmd += ["--standalone",  # c10d on a free localhost port: parallel runs never collide
                 f"--rdzv-conf=join_timeout={opts.rdzv_timeout_s}"]
     else:
@@ -89,11 +89,6 @@ def torchrun(plan: DevicePlan, launch: Torchrun, opts: Nodes | Machines, rdzv: R
                 f"--master-addr={host}", f"--master-port={port}",
                 f"--rdzv-conf=timeout={opts.rdzv_timeout_s}"]
     return cmd
-
-
-def one_machine(opts: Nodes | Machines) -> bool:
-    """Whether the job's ranks all run here: no low-level rendezvous of several nodes."""
-    return getattr(opts, "nnodes", 1) == 1 and not getattr(opts, "rdzv_endpoint", None)
 
 
 def check_rendezvous(opts: Nodes) -> None:

@@ -5,6 +5,7 @@ logged; a file skipped is named in the run's `gpuflow.skipped` tag and never fai
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -45,17 +46,16 @@ def written_during(cwd: Path, launched: float, own: Path) -> list[str]:
     """Checkpoint files (by suffix) in `cwd` or a folder right below it written since `launched`, other runs'
     folders (beside `own`, this run's) left out."""
     found = []
-    for pattern in ("*", "*/*"):
-        for p in cwd.glob(pattern):
-            if p.suffix not in CHECKPOINT_SUFFIXES:  # most entries: no system call for them
-                continue
-            try:
-                real = p.resolve()
-                if (p.is_file() and p.stat().st_mtime >= launched
-                        and (own.parent not in real.parents or own in real.parents)):
-                    found.append(str(p.relative_to(cwd)))
-            except OSError:  # gone since it was listed
-                continue
+    for p in itertools.chain(cwd.glob("*"), cwd.glob("*/*")):
+        if p.suffix not in CHECKPOINT_SUFFIXES:  # most entries: no system call for them
+            continue
+        try:
+            real = p.resolve()
+            if (p.is_file() and p.stat().st_mtime >= launched
+                    and (own.parent not in real.parents or own in real.parents)):
+                found.append(str(p.relative_to(cwd)))
+        except OSError:  # gone since it was listed
+            continue
     return sorted(found)
 
 
@@ -160,12 +160,12 @@ def checkpoint_from(run: TrackedRun, source: Path, spec: dict | None, cwd: Path)
         client.log_artifact(run_id, str(source), "checkpoints")
         client.set_tag(run_id, "gpuflow.checkpoint", f"{source.name} logged unchanged, not de-prefixed: {e}"[:4000])
         return {"checkpoint": None}
-    folder = RunFolder(run.workdir).script_checkpoint
+    folder = RunFolder(run.workdir)
     payload = {"model": state, "source": str(source), "found_at": where}
     if spec:  # what `gpuflow infer` rebuilds (training/evaluate.py), as for the registered model
         payload |= {"model_spec": spec, "code_root": str(cwd)}
-    checkpoint = save_file(folder / source.name, payload)
-    weights = save_file(RunFolder(run.workdir).weights, state)
+    checkpoint = save_file(folder.script_checkpoint / source.name, payload)
+    weights = save_file(folder.weights, state)
     client.log_artifact(run_id, str(checkpoint), "checkpoints")
     client.set_tag(run_id, "gpuflow.checkpoint", f"{source.name}: state dict at {where}, {len(state)} tensors, "
                    "prefixes stripped; loads with load_state_dict(ck['model'], strict=True)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import signal
 import sys
@@ -88,7 +89,6 @@ def _freeze_imports() -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    rank = str(contract.ranks().rank)
     if "TORCHELASTIC_RUN_ID" in os.environ:  # under torchrun: never outlive the agent
         die_with_parent(signal.SIGKILL)
     exit_on_sigterm()
@@ -101,7 +101,7 @@ def main(argv=None) -> int:
         hold_card_locks()  # before the card is touched: no new run gets it until this process is gone
         run(args.config, args.result, freeze_imports=True)
     except (UserError, ValidationError, TrainingDiverged) as e:
-        print(f"[rank {rank}] error: {e}", file=sys.stderr, flush=True)
+        print(f"[rank {contract.ranks().rank}] error: {e}", file=sys.stderr, flush=True)
         contract.write_error(e, deterministic=True, located=False)
         return 3 if isinstance(e, TrainingDiverged) else 2
     except Exception as e:  # the user's code, or a bug: its traceback, and the cause for the flow
@@ -111,8 +111,6 @@ def main(argv=None) -> int:
 
 
 def _checkpoint_dir(config_path: str) -> str | None:
-    import json
-
     try:
         return json.loads(Path(config_path).read_text()).get("checkpoint_dir")
     except (OSError, ValueError):

@@ -13,17 +13,10 @@ from .errors import UserError
 from .refs import CodeReferenceError, describe_error, is_reference, resolve
 
 
-def _signature(target) -> inspect.Signature | None:
-    try:
-        return inspect.signature(target)
-    except (TypeError, ValueError):  # some builtins have none: call as is
-        return None
-
-
 def make_model(name: str, num_classes: int | None, input_shape, args: dict | None = None,
                code_root: str | None = None) -> tuple[nn.Module, dict]:
     """(the model, its spec {"reference", "kwargs"}: what checkpoints record to rebuild it); UserError on bad input."""
-    args = dict(args or {})
+    args = args or {}
     if not is_reference(name):
         if args:
             raise UserError(f"model_args {args} apply to a model of your own; the built-in {name!r} takes none")
@@ -33,7 +26,10 @@ def make_model(name: str, num_classes: int | None, input_shape, args: dict | Non
     if not callable(target):
         raise CodeReferenceError(f"model {name!r} is a {type(target).__name__}, not an nn.Module class or a "
                                  "function returning one; name the class (or factory) itself")
-    sig = _signature(target)
+    try:
+        sig = inspect.signature(target)
+    except (TypeError, ValueError):  # some builtins have none: call as is
+        sig = None
     known = {"num_classes": num_classes, "input_shape": list(input_shape) if input_shape is not None else None}
     kwargs = dict(args)
     if sig is not None:

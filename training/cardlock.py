@@ -15,9 +15,9 @@ from .errors import UserError
 def hold_card_locks(environ: dict | None = None) -> list[int]:
     """Take a shared flock on each file in GPUFLOW_CARD_LOCKS for this process's life; the descriptors (never
     closed: closing one would drop its lock)."""
-    names = (os.environ if environ is None else environ).get(CARD_LOCKS_ENV, "")
+    env = os.environ if environ is None else environ
     fds = []
-    for path in filter(None, names.split(os.pathsep)):
+    for path in filter(None, env.get(CARD_LOCKS_ENV, "").split(os.pathsep)):
         try:
             fd = os.open(path, os.O_RDONLY)  # a shared flock needs no write access
         except FileNotFoundError:
@@ -25,8 +25,7 @@ def hold_card_locks(environ: dict | None = None) -> list[int]:
                             "processes it starts: unset it to run this by hand") from None
         fcntl.flock(fd, fcntl.LOCK_SH)  # waits only while a starting run probes the card, an instant
         fds.append(fd)
-    owner = (os.environ if environ is None else environ).get(CARD_OWNER_ENV)
-    if fds and owner and not psutil.pid_exists(int(owner)):
+    if fds and (owner := env.get(CARD_OWNER_ENV)) and not psutil.pid_exists(int(owner)):
         # the run that held the cards ended while this process started: a new run may own them now
         raise SystemExit(f"the gpuflow run (pid {owner}) that holds this process's cards has ended; exiting")
     return fds

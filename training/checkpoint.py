@@ -68,10 +68,10 @@ def clean_state_dict(state: dict) -> OrderedDict:
 def load_model_state(model: nn.Module, state: dict, source: str = "checkpoint") -> None:
     """Load a (possibly prefixed) state dict into `model` or its wrapper, strictly."""
     target = unwrap(model)
-    if set(state) != set(target.state_dict()):  # as saved by a wrapper
+    expected = set(target.state_dict())
+    if set(state) != expected:  # as saved by a wrapper
         state = clean_state_dict(state)
-    missing = sorted(set(target.state_dict()) - set(state))
-    unexpected = sorted(set(state) - set(target.state_dict()))
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or unexpected:
         raise CheckpointError(
             f"{source} does not fit model {type(target).__name__}: "
@@ -194,9 +194,7 @@ class CheckpointStore:
 
     def epochs(self) -> list[int]:
         """The epochs of the complete checkpoints in the folder, oldest first."""
-        if not self.folder.is_dir():
-            return []
-        return sorted(int(m.group(1)) for p in self.folder.iterdir() if (m := NAME.match(p.name)))
+        return sorted(int(m.group(1)) for p in self.folder.glob("epoch-*.pt") if (m := NAME.match(p.name)))
 
     def retain(self, newest: int, history: list[dict], key: str, mode: str) -> None:
         """Delete every epoch's checkpoint but the `newest` and the best by `key` in `history` (`mode`: min/max)."""

@@ -12,11 +12,12 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from . import refs
 from .errors import UserError
+from .files import write_json_atomic
 
 MODELS = ("mlp", "cnn", "resnet18")
-OBJECTIVES = ("classification", "model-loss")  # training/objective.py implements them
-# each built-in objective's (monitor, mode) and the metrics its epochs report (training/judged.py)
+# each built-in objective (training/objective.py): its (monitor, mode) and the metrics its epochs report
 BUILT_IN_OBJECTIVES = {"classification": ("accuracy", "max"), "model-loss": ("loss", "min")}
+OBJECTIVES = tuple(BUILT_IN_OBJECTIVES)
 KNOWN_METRICS = {"classification": {"val_loss", "val_accuracy", "train_loss"}, "model-loss": {"val_loss", "train_loss"}}
 BUILTIN_MODELS_MODULE = "gpuflow.training.models"  # where the built-ins live (torch-free name for the flow)
 BUILTIN_DATASETS = ("digits", "synthetic", "mnist", "fashion-mnist", "cifar10")
@@ -137,9 +138,9 @@ class Training(BaseModel):
         if refs.is_reference(v):
             return refs.normalize(v)
         if v.startswith("imagefolder:"):
-            if not v.split(":", 1)[1]:
+            if not (folder := v.removeprefix("imagefolder:")):
                 raise ValueError("dataset 'imagefolder:' needs a path, e.g. imagefolder:/data/pets")
-            return "imagefolder:" + str(Path(v.split(":", 1)[1]).expanduser().resolve())
+            return "imagefolder:" + absolute(folder)
         if v not in BUILTIN_DATASETS:
             raise ValueError(
                 f"unknown dataset {v!r}; choose one of {', '.join(BUILTIN_DATASETS)}, "
@@ -201,8 +202,6 @@ class TrainConfig(Training):
         return self.model_dump(mode="json")
 
     def to_json(self, path: str | Path) -> Path:
-        from .files import write_json_atomic  # a full disk names the path (DiskFull)
-
         return write_json_atomic(path, self.to_dict())
 
     @classmethod

@@ -5,6 +5,7 @@ error (bad input, or no progress since the attempt started) is not run again by 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -13,6 +14,8 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
+
+from .files import write_json_atomic
 
 # --- what the flow tells its children, by environment variable ----------------------------
 ERROR_DIR_ENV = "GPUFLOW_ERROR_DIR"  # where a failing rank leaves its error (write_error)
@@ -137,8 +140,9 @@ def write_error(exc: BaseException, deterministic: bool, hint: str = "", located
         return
     file, line = where(exc) if located else (None, None)
     message = (str(exc).strip().splitlines() or [""])[-1 if isinstance(exc, SyntaxError) else 0][:2000]
+    here = ranks()
     _write({"type": type(exc).__name__, "message": message + hint, "file": file, "line": line,
-            "rank": ranks().rank, "attempt": ranks().restarts, "time": time.time(),
+            "rank": here.rank, "attempt": here.restarts, "time": time.time(),
             "deterministic": deterministic and not _between_ranks(exc)}, folder)
 
 
@@ -148,20 +152,14 @@ def _attempt_dir(folder: str | os.PathLike, attempt: int) -> Path:
 
 
 def _write(record: dict, folder: str) -> None:
-    out = _attempt_dir(folder, ranks().restarts) / f"rank-{ranks().rank}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record))
-    tmp.replace(out)
+    write_json_atomic(_attempt_dir(folder, record["attempt"]) / f"rank-{record['rank']}.json", record)
 
 
 def _records(folder: Path) -> list[dict]:
     found = []
     for f in folder.glob("rank-*.json"):
-        try:
+        with contextlib.suppress(OSError, ValueError):
             found.append(json.loads(f.read_text()))
-        except (OSError, ValueError):
-            pass
     return sorted(found, key=lambda r: r["time"])  # the first to fail is the cause; the others follow it
 
 
@@ -175,14 +173,14 @@ def start_attempt() -> None:
 def replay_deterministic() -> dict | None:
     """In a restarted rank: the attempt before's deterministic error, recorded for this one too (the caller exits
     instead of running the code again); None otherwise."""
-    folder, attempt = os.environ.get(ERROR_DIR_ENV), ranks().restarts
-    if not folder or attempt == 0:
+    folder, here = os.environ.get(ERROR_DIR_ENV), ranks()
+    if not folder or here.restarts == 0:
         return None
-    before = [r for r in _records(_attempt_dir(folder, attempt - 1)) if r["deterministic"]]
+    before = [r for r in _records(_attempt_dir(folder, here.restarts - 1)) if r["deterministic"]]
     if not before:
         return None
-    _write(before[0] | {"rank": ranks().rank, "attempt": attempt}, folder)
-    print(f"[rank {ranks().rank}] not run again: {describe(before[0])} (the attempt before failed the same way "
+    _write(before[0] | {"rank": here.rank, "attempt": here.restarts}, folder)
+    print(f"[rank {here.rank}] not run again: {describe(before[0])} (the attempt before failed the same way "
           "before any progress)", file=sys.stderr, flush=True)
     return before[0]
 
@@ -241,8 +239,7 @@ def describe(record: dict) -> str:
 
 def write_process_group(script: str, world_size: int, joined: bool) -> None:
     """Rank 0, at the script's end: whether it joined a process group (nothing when no flow asked)."""
-    path = os.environ.get(PROCESS_GROUP_FILE_ENV)
-    if path:
+    if path := os.environ.get(PROCESS_GROUP_FILE_ENV):
         Path(path).write_text(json.dumps({"script": script, "world_size": world_size, "joined": joined}))
 
 

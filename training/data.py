@@ -155,17 +155,12 @@ def load_data(cfg: TrainConfig, fingerprint: bool = True) -> DataBundle:
         return user_datasets(cfg)
     if cfg.dataset.startswith("imagefolder:"):
         return _load_imagefolder(cfg)
-    if cfg.data_cache:
-        x, y, num_classes = datacache.load(cfg.data_cache)
-    else:
-        x, y, num_classes = SOURCES[cfg.dataset](cfg)
+    x, y, num_classes = datacache.load(cfg.data_cache) if cfg.data_cache else SOURCES[cfg.dataset](cfg)
     x = _unit(x)
     fp = _fingerprint(cfg.dataset, x, y) if fingerprint else {}
     shape = input_shape_for(cfg.model, tuple(x.shape[1:]))
     x = fit_images(x, shape)
-    train_idx, val_idx = split_indices(len(y), cfg.val_fraction, cfg.split_seed)
-    train = TensorData(x[train_idx], y[train_idx])
-    val = TensorData(x[val_idx], y[val_idx])
+    train, val = (TensorData(x[i], y[i]) for i in split_indices(len(y), cfg.val_fraction, cfg.split_seed))
     return DataBundle(train, val, num_classes, shape, fp)
 
 
@@ -196,8 +191,8 @@ def _load_imagefolder(cfg: TrainConfig) -> DataBundle:
     for p, label in ds.samples:  # paths, sizes and labels: cheap and catches edits
         h_.update(f"{Path(p).relative_to(root)}:{Path(p).stat().st_size}:{label}".encode())
     fp = {"name": cfg.dataset, "num_samples": len(ds), "sha256": h_.hexdigest()}
-    train_idx, val_idx = split_indices(len(ds), cfg.val_fraction, cfg.split_seed)
-    return DataBundle(Subset(ds, train_idx), Subset(ds, val_idx), len(ds.classes), shape, fp)
+    train, val = (Subset(ds, i) for i in split_indices(len(ds), cfg.val_fraction, cfg.split_seed))
+    return DataBundle(train, val, len(ds.classes), shape, fp)
 
 
 def _decode_error(path: str) -> str | None:
@@ -228,21 +223,9 @@ def check_images(dataset: str, files: list[str]) -> None:
 # --- loaders -------------------------------------------------------------------------
 
 
-def seed_worker(worker_id: int) -> None:
-    """Seed numpy and random in a DataLoader worker from its torch seed (set by the loader)."""
-    import random
-
-    import numpy as np
-
-    seed = torch.initial_seed() % 2**32
-    np.random.seed(seed)
-    random.seed(seed)
-
-
 def _loader(ds: Dataset, sampler, batch_size: int, cfg: TrainConfig, pin: bool) -> DataLoader:
-    # Worker seeds derive from cfg.seed: any randomness in workers is reproducible too.
-    common = dict(num_workers=cfg.num_workers, pin_memory=pin,
-                  persistent_workers=cfg.num_workers > 0, worker_init_fn=seed_worker,
+    # Each worker's torch, random and numpy seeds derive from this generator: worker randomness is reproducible too.
+    common = dict(num_workers=cfg.num_workers, pin_memory=pin, persistent_workers=cfg.num_workers > 0,
                   generator=torch.Generator().manual_seed(cfg.seed))
     if isinstance(ds, TensorData):
         # One __getitem__ per batch: the sampler yields lists of indices.

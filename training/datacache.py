@@ -16,9 +16,8 @@ from .files import atomic_write
 
 FORMAT = 2  # 2: the description records the classes present
 SYNTHETIC_VERSION = 1  # bump when training/data.py `_synthetic` changes what it generates
-# synthetic is generated and digits read from its 57 KB file (~20 ms) by each worker, torch-free in the flow;
-# imagefolder stays lazy
-CACHED = ("mnist", "fashion-mnist", "cifar10")
+# the sources prepared once: synthetic is generated and digits read from its small file by each worker (torch-free
+# in the flow); imagefolder stays lazy
 TORCHVISION_FOLDERS = {"mnist": "MNIST", "fashion-mnist": "FashionMNIST", "cifar10": "cifar-10-batches-py"}
 CACHE_DIR = ".gpuflow-cache"
 
@@ -45,7 +44,7 @@ def digits_csv() -> Path | None:
 
 def digits_arrays():
     """scikit-learn's load_digits as numpy arrays, images (N, 1, 8, 8) float32 in [0, 1] and int64 labels, read from
-    the file it ships without importing it (1.4 s); its own loader where a release keeps the file elsewhere."""
+    the file it ships without importing it (slow); its own loader where a release keeps the file elsewhere."""
     import numpy as np
 
     if (csv := digits_csv()) is not None:
@@ -72,20 +71,19 @@ def digits_description() -> dict:
 
 def source_signature(dataset: str, data_root: str) -> dict | None:
     """What the source is made of, without reading it; None when it is not on disk (yet)."""
-    if dataset in TORCHVISION_FOLDERS:
-        folder = Path(data_root).expanduser().resolve() / TORCHVISION_FOLDERS[dataset]
-        files = sorted(p for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else []
-        if not files:
-            return None
-        return {"dataset": dataset, "torchvision": _version("torchvision"), "folder": str(folder),
-                "files": [_stat(p, folder) for p in files]}
-    return None
+    if dataset not in TORCHVISION_FOLDERS:
+        return None
+    folder = Path(data_root).expanduser().resolve() / TORCHVISION_FOLDERS[dataset]
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    if not files:
+        return None
+    return {"dataset": dataset, "torchvision": _version("torchvision"), "folder": str(folder),
+            "files": [_stat(p, folder) for p in files]}
 
 
 def check_sizes(counts: str, n_train: int, n_val: int, world_size: int, fix: str) -> None:
-    """Refuse a dataset that leaves a process an empty training or validation shard (DatasetError).
-
-    `counts` says what the dataset holds, `fix` what the user can do."""
+    """DatasetError when a process would get an empty training or validation shard; `counts` says what the dataset
+    holds, `fix` what the user can do."""
     if n_train >= world_size and n_val >= world_size:
         return
     each = f"{world_size} (one per process)" if world_size > 1 else "1"
@@ -114,8 +112,6 @@ def paths(dataset: str, data_root: str, signature: dict) -> tuple[Path, Path]:
 
 def lookup(dataset: str, data_root: str) -> tuple[Path, dict] | None:
     """(the prepared file, its description) when one matches the source as it is now, bytes intact; else None."""
-    if dataset not in CACHED:
-        return None
     sig = source_signature(dataset, data_root)
     if sig is None:
         return None
@@ -137,7 +133,7 @@ def store(dataset: str, data_root: str, x, y, num_classes: int, fingerprint: dic
     raises DiskFull."""
     import torch
 
-    sig = source_signature(dataset, data_root) if dataset in CACHED else None
+    sig = source_signature(dataset, data_root)
     if sig is None:
         return None
     pt, meta_path = paths(dataset, data_root, sig)

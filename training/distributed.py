@@ -56,7 +56,7 @@ def _pick_device(cfg: TrainConfig, local_rank: int) -> torch.device:
 def setup(cfg: TrainConfig) -> DistContext:
     """Read ranks from the environment, pick the device, init the process group for DDP."""
     here = ranks()
-    world, rank, local_rank = here.world_size, here.rank, here.local_rank
+    world = here.world_size
     if cfg.strategy == "ddp" and not here.under_torchrun:
         raise LaunchError("strategy 'ddp' needs torchrun: torchrun --nproc_per_node=N -m gpuflow.training --config CFG")
     if cfg.strategy != "ddp" and world > 1:
@@ -64,11 +64,11 @@ def setup(cfg: TrainConfig) -> DistContext:
                           "use strategy 'ddp' under torchrun, or run with python -m gpuflow.training")
     if cfg.strategy == "ddp" and (why := batch_split(cfg.batch_size, world, "processes", world)):
         raise LaunchError(why)
-    device = _pick_device(cfg, local_rank)
+    device = _pick_device(cfg, here.local_rank)
     if cfg.strategy == "ddp":
         backend = "nccl" if device.type == "cuda" else "gloo"
         init_group(backend, timedelta(seconds=cfg.dist_timeout_s))
-    return DistContext(rank, world, device, cfg.strategy)
+    return DistContext(here.rank, world, device, cfg.strategy)
 
 
 def init_group(backend: str, timeout: timedelta) -> None:

@@ -38,8 +38,7 @@ from .objective import (Classification, Totals, apply, batch_len, call_model, co
 
 
 def _device(device: str) -> torch.device:
-    use_cuda = device != "cpu" and torch.cuda.is_available()
-    return torch.device("cuda", 0) if use_cuda else torch.device("cpu")
+    return torch.device("cuda", 0) if device != "cpu" and torch.cuda.is_available() else torch.device("cpu")
 
 
 def _from_script(payload: dict) -> bool:
@@ -70,8 +69,9 @@ def _config(payload: dict, checkpoint: str, **overrides) -> TrainConfig:
                           "strategy": "single", "device_ids": None, "resume": "never"})
 
 
-def _model(cfg: TrainConfig, payload: dict, checkpoint: str, num_classes: int, input_shape, dev):
-    model = make_model(cfg.model, num_classes, input_shape, cfg.model_args, cfg.code_root)[0]
+def _model(payload: dict, checkpoint: str, dev: torch.device, *build):
+    """The model `make_model(*build)` builds, with the checkpoint's weights, on `dev`, in eval mode."""
+    model = make_model(*build)[0]
     load_model_state(model, payload["model"], source=f"checkpoint {checkpoint!r}")
     return model.to(dev).eval()
 
@@ -158,11 +158,11 @@ def evaluate(checkpoint: str, split: str = "val", device: str = "auto", batch_si
         _check_shape(bundle.input_shape, payload.get("input_shape"), f"dataset {cfg.dataset!r}",
                      "evaluate on a dataset like the one the model was trained on")
     dev = _device(device)
-    use_cuda = dev.type == "cuda"
-    model = _model(cfg, payload, checkpoint, bundle.num_classes or payload.get("num_classes"), bundle.input_shape, dev)
+    model = _model(payload, checkpoint, dev, cfg.model, bundle.num_classes or payload.get("num_classes"),
+                   bundle.input_shape, cfg.model_args, cfg.code_root)
     objective = load_objective(cfg.objective, cfg.code_root)
     data = bundle.val if split == "val" else torch.utils.data.ConcatDataset([bundle.train, bundle.val])
-    loader = torch.utils.data.DataLoader(data, batch_size=batch_size, pin_memory=use_cuda)
+    loader = torch.utils.data.DataLoader(data, batch_size=batch_size, pin_memory=dev.type == "cuda")
     totals = Totals(objective)
     with torch.no_grad():
         for batch in loader:
@@ -187,17 +187,16 @@ def predict(checkpoint: str, inputs: str, device: str = "auto", batch_size: int 
     dev = _device(device)
     if _from_script(payload):  # the declared model's raw outputs
         spec = payload["model_spec"]
-        model = make_model(spec["reference"], None, None, spec["kwargs"], payload.get("code_root"))[0]
-        load_model_state(model, payload["model"], source=f"checkpoint {checkpoint!r}")
-        out = _outputs(model.to(dev).eval(), x, dev, batch_size, inputs)
+        model = _model(payload, checkpoint, dev, spec["reference"], None, None, spec["kwargs"],
+                       payload.get("code_root"))
+        out = _outputs(model, x, dev, batch_size, inputs)
         return {"outputs": _listed(out), "samples": batch_len(x), "model": spec["reference"], **_where(dev)}
     cfg = _config(payload, checkpoint)
     if "num_classes" not in payload:
         raise CheckpointError(f"checkpoint {checkpoint!r} does not record its class count (written by "
                               "an older gpuflow); evaluate it on a dataset instead, or retrain")
-    num_classes = payload["num_classes"]
     shape = payload.get("input_shape") or (list(x.shape[1:]) if isinstance(x, torch.Tensor) else None)
-    model = _model(cfg, payload, checkpoint, num_classes, shape, dev)
+    model = _model(payload, checkpoint, dev, cfg.model, payload["num_classes"], shape, cfg.model_args, cfg.code_root)
     out = _outputs(model, x, dev, batch_size, inputs)
     where = {"samples": batch_len(x), "model": cfg.model, **_where(dev)}
     if cfg.objective != "classification":  # the model's outputs as they are

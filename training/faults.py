@@ -20,8 +20,7 @@ def fault_hook(spec: str | None):
     want = {k: int(v) for k, v in fields.items()}
 
     def maybe_die(rank: int, epoch: int, step: int) -> None:
-        restart = ranks().restarts
-        if (rank, epoch, restart, step) != (want.get("rank", 0), want.get("epoch", 1),
+        if (rank, epoch, ranks().restarts, step) != (want.get("rank", 0), want.get("epoch", 1),
                                             want.get("restart", 0), want.get("step", 1)):
             return
         if once:

@@ -11,8 +11,6 @@ from typing import Callable
 
 from .errors import DiskFull
 
-FULL = (errno.ENOSPC, errno.EDQUOT)
-
 
 def atomic_write(path: str | Path, write: Callable[[Path], None], mode: int = 0o644) -> Path:
     """Call write(tmp) on a temp file beside `path`, fsync it, then rename it over `path`.
@@ -31,7 +29,7 @@ def atomic_write(path: str | Path, write: Callable[[Path], None], mode: int = 0o
 def _disk_full(e: BaseException | None) -> OSError | None:
     """The ENOSPC/EDQUOT error in `e`'s chain (torch.save re-raises a failed write as a RuntimeError)."""
     while e is not None:
-        if isinstance(e, OSError) and e.errno in FULL:
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
             return e
         e = e.__cause__ or e.__context__
     return None

@@ -42,7 +42,7 @@ def report(metrics: dict[str, float], step: int) -> None:
     """Log `metrics` (floats or 0-d tensors) at `step` to the flow's run, live; rank 0 only."""
     if not is_main():
         return
-    line = format_line(step, {k: float(v) for k, v in metrics.items()}) + "\n"
+    line = format_line(step, metrics) + "\n"
     path = os.environ.get(METRICS_FILE_ENV) or str(RunFolder(output_dir()).metrics)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a", encoding="utf-8") as f:  # one whole line per write: the relay reads complete lines

@@ -30,6 +30,4 @@ def mode_of(metric: str, monitor: str, mode: str) -> str:
 
 def better(challenger: float, champion: float | None, mode: str) -> bool:
     """Strictly better by `mode` (anything is better than no champion)."""
-    if champion is None:
-        return True
-    return challenger < champion if mode == "min" else challenger > champion
+    return champion is None or (challenger < champion if mode == "min" else challenger > champion)

@@ -14,9 +14,9 @@ MODEL_FILE = "model.json"  # in a script's output folder: the model it declared 
 EXAMPLE_STEM = "input_example"  # and its input example, when declared with one: .npy, or .npz (named inputs)
 
 
-def format_line(step: int, metrics: dict[str, float], timestamp_ms: int | None = None) -> str:
-    ts = int(time.time() * 1000) if timestamp_ms is None else timestamp_ms
-    return json.dumps({"step": step, "timestamp": ts, "metrics": {k: float(v) for k, v in metrics.items()}})
+def format_line(step: int, metrics: dict[str, float]) -> str:
+    metrics = {k: float(v) for k, v in metrics.items()}
+    return json.dumps({"step": step, "timestamp": int(time.time() * 1000), "metrics": metrics})
 
 
 def parse_line(line: str | bytes) -> tuple[int, int, dict[str, float]]:

@@ -155,11 +155,9 @@ class Objective:
 
 
 def load_objective(name: str, code_root: str | None = None) -> Objective:
-    """The objective a config names: `classification`, or a reference to user code."""
-    if name == CLASSIFICATION:
-        return Objective(Classification())
-    if name == MODEL_LOSS:
-        return Objective(ModelLoss())
+    """The objective a config names: a built-in one, or a reference to user code."""
+    if built_in := {CLASSIFICATION: Classification, MODEL_LOSS: ModelLoss}.get(name):
+        return Objective(built_in())
     from .refs import CodeReferenceError, describe_error, resolve
 
     target = resolve(name, code_root, "objective")

@@ -13,7 +13,7 @@ import os
 import site
 import sys
 import sysconfig
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import UserError
@@ -37,7 +37,7 @@ class Policy:
     packages: frozenset[str] = frozenset()
     folders: tuple[Path, ...] = ()
     home_store: str = ""  # the operator's tracking store: always allowed
-    stores: tuple[str, ...] = field(default=())  # further tracking stores or study storages, by name
+    stores: tuple[str, ...] = ()  # further tracking stores or study storages, by name
 
     # --- building and passing it on ---------------------------------------------------------
 
@@ -48,8 +48,7 @@ class Policy:
     @classmethod
     def from_env(cls) -> "Policy | None":
         """The policy a served run handed its children, or None (a local run)."""
-        raw = os.environ.get(POLICY_ENV)
-        if not raw:
+        if not (raw := os.environ.get(POLICY_ENV)):
             return None
         d = json.loads(raw)
         return cls(frozenset(d["packages"]), tuple(Path(f) for f in d["folders"]), d["home_store"], tuple(d["stores"]))
@@ -83,8 +82,7 @@ class Policy:
         collect = _get(params, "collect") or []
         for pattern in collect if isinstance(collect, list) else [collect]:  # read from the run's working folder
             self.check_path("collect", pattern)
-        tracking = _get(params, "tracking_uri")
-        if tracking is not None:
+        if (tracking := _get(params, "tracking_uri")) is not None:
             self.check_store("tracking_uri", tracking)
         if (storage := _get(params, "storage")) is not None:
             self.check_storage(storage, tracking or self.home_store)

@@ -37,9 +37,8 @@ def check_user_code(cfg: TrainConfig, world_size: int = 1) -> dict:
     except Exception as e:
         raise UserError(f"{what} fails: {describe_error(e)}; make the model's input match the samples "
                         "(model_args, or the dataset's transform)") from None
-    num_classes = bundle.num_classes
-    if objective.is_classification:
-        num_classes = _check_classification(cfg, bundle, out, target, what)
+    num_classes = (_check_classification(cfg, bundle, out, target, what) if objective.is_classification
+                   else bundle.num_classes)
     try:
         loss = objective.loss(out, target)
     except Exception as e:
@@ -66,9 +65,8 @@ def check_user_code(cfg: TrainConfig, world_size: int = 1) -> dict:
 def _check_classification(cfg: TrainConfig, bundle, out, target, what: str) -> int:
     scores = Classification.scores(out)
     if not isinstance(scores, torch.Tensor) or scores.dim() != 2 or scores.shape[1] < 2:
-        got = shapes(scores)
-        raise UserError(f"{what}: the output is {got}, but classification needs class scores (batch, classes >= 2); "
-                        "return one score per class, or set objective to your own loss")
+        raise UserError(f"{what}: the output is {shapes(scores)}, but classification needs class scores (batch, "
+                        "classes >= 2); return one score per class, or set objective to your own loss")
     classes = scores.shape[1]
     if bundle.num_classes and bundle.num_classes != classes:
         raise UserError(f"{what}: the dataset has {bundle.num_classes} classes but the model outputs {classes} scores; "

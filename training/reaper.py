@@ -10,6 +10,7 @@ command's exit code, so the card locks it holds are free only when nothing of th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import os
 import signal
@@ -72,10 +73,8 @@ def _below_me() -> list[psutil.Process]:
 
 def _signal_all(sig: int) -> None:
     for p in _below_me():
-        try:
+        with contextlib.suppress(psutil.Error):
             p.send_signal(sig)
-        except psutil.Error:
-            pass
 
 
 class Reaper:
@@ -126,10 +125,8 @@ class Reaper:
         """SIGTERM: to the command (torchrun then stops its ranks in order) and to all the rest."""
         self.stop_sent = time.monotonic()
         if main_pid is not None and self.code is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(main_pid, self.asked or signal.SIGTERM)
-            except ProcessLookupError:
-                pass
         _signal_all(signal.SIGTERM)
 
 

@@ -93,16 +93,14 @@ def _import(ref: str, code_root: str | None, what: str):
         if code_root and code_root not in sys.path:
             sys.path.insert(0, code_root)
         return importlib.import_module(where)
-    except ModuleNotFoundError as e:
-        if e.name and (where == e.name or where.startswith(e.name + ".")):
+    except Exception as e:
+        missing = isinstance(e, ModuleNotFoundError)
+        if missing and e.name and (where == e.name or where.startswith(e.name + ".")):
             raise CodeReferenceError(
                 f"{what} {ref!r}: no module {e.name!r} in {code_root or 'the Python path'}; run gpuflow "
                 "from your project's folder (the one holding the package), or check the name") from None
-        raise CodeReferenceError(f"{what} {ref!r}: importing {where!r} failed: {type(e).__name__}: {e}"
-                                 f"{_where_raised(e)}; install the missing package or fix the import") from None
-    except Exception as e:
-        raise CodeReferenceError(f"{what} {ref!r}: importing {where!r} failed: {type(e).__name__}: {e}"
-                                 f"{_where_raised(e)}") from None
+        fix = "; install the missing package or fix the import" if missing else ""
+        raise CodeReferenceError(f"{what} {ref!r}: importing {where!r} failed: {describe_error(e)}{fix}") from None
 
 
 def _no_attribute(ref: str, what: str, owner, part: str) -> CodeReferenceError:

@@ -14,7 +14,7 @@ from .config import TrainConfig
 def seed_everything(seed: int) -> None:
     """Seed Python, numpy, torch and every CUDA device."""
     random.seed(seed)
-    np.random.seed(seed % 2**32)
+    np.random.seed(seed)  # TrainConfig bounds it to NumPy's 32 bits
     torch.manual_seed(seed)
 
 

@@ -20,8 +20,7 @@ from .errors import NotDistributed
 
 
 def _set_dist_timeout() -> float | None:
-    seconds = os.environ.get(contract.DIST_TIMEOUT_ENV)
-    if not seconds:
+    if not (seconds := os.environ.get(contract.DIST_TIMEOUT_ENV)):
         return None
     set_default_pg_timeout(float(seconds))
     return float(seconds)
@@ -104,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     script = str(Path(argv[0]).resolve())
     timeout = _set_dist_timeout()
-    sys.argv = [argv[0], *argv[1:]]
+    sys.argv = list(argv)
     sys.path[0] = str(Path(script).parent)  # as `python train.py`: its own folder first
     watch, hook = ProcessGroupWatch.start_for(script), refuse_steps_outside_a_group(script)
     started, ended_well = time.time(), False

@@ -16,7 +16,7 @@ from . import data as data_mod
 from .checkpoint import BackgroundWriter, CheckpointError, CheckpointStore, load_file, load_model_state
 from .checkpoint import model_state, rng_state, save_file, set_rng_state, to_cpu, unwrap
 from .config import TrainConfig, batch_split
-from .distributed import DistContext, LaunchError, all_reduce_sum
+from .distributed import DistContext, LaunchError, all_reduce_sum, broadcast_from_main, gather_to_main
 from .builder import make_model
 from .errors import TrainingDiverged
 from .faults import fault_hook
@@ -62,9 +62,7 @@ class Trainer:
     # --- construction -----------------------------------------------------------------
     def _wrap(self, model: nn.Module) -> nn.Module:
         if self.ctx.strategy == "ddp":
-            model = model.to(self.device)
-            ids = [self.device.index] if self.device.type == "cuda" else None
-            return DDP(model, device_ids=ids, output_device=ids[0] if ids else None)
+            return DDP(model.to(self.device), device_ids=[self.device.index] if self.device.type == "cuda" else None)
         if self.ctx.strategy == "dp":
             return self._wrap_dp(model)
         return model.to(self.device)
@@ -84,7 +82,7 @@ class Trainer:
         if why := batch_split(self.cfg.batch_size, len(ids), "DataParallel devices"):
             raise LaunchError(why)
         model = model.to(torch.device("cuda", ids[0]))  # must live on device_ids[0] first
-        return nn.DataParallel(model, device_ids=ids, output_device=ids[0])
+        return nn.DataParallel(model, device_ids=ids)
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
         params = self.model.parameters()
@@ -116,9 +114,8 @@ class Trainer:
         self._say(main_line(f"resumed from {path} after epoch {self.epochs_run}"))
 
     def _end_epoch(self, metrics: dict) -> None:
-        """The epoch's checkpoint (rank 0, written while the next epoch trains; with `checkpoint_each_epoch` off,
-        the last epoch's alone), then its metrics and console lines, so a logged epoch that has a checkpoint has
-        it before its line."""
+        """Rank 0 writes the epoch's checkpoint while the next epoch trains, then logs the epoch: a logged epoch's
+        file is whole before its line."""
         epoch = self.epochs_run
         if not self.ctx.is_main or not (self.cfg.checkpoint_each_epoch or epoch == self.cfg.epochs):
             return self._log_epoch(epoch, metrics)  # no write pending: none before the last, without each epoch's
@@ -230,8 +227,6 @@ class Trainer:
 
     def _whole_set_metrics(self, outputs: list, targets: list) -> dict:
         """epoch_metrics on every validation sample once, in dataset order (rank r held r, r + world, ...)."""
-        from .distributed import broadcast_from_main, gather_to_main
-
         gathered = gather_to_main((concat(outputs), concat(targets)), self.ctx)
         metrics = {}
         if self.ctx.is_main:
@@ -261,7 +256,7 @@ class Trainer:
         final = self.history[-1] if self.history else self.evaluate()
         return {
             "final_metrics": {k: v for k, v in final.items() if k != "epoch"},
-            "checkpoint": self.writer.last or (str(self.store.latest()) if self.store.latest() else None),
+            "checkpoint": self.writer.last or (str(latest) if (latest := self.store.latest()) else None),
             "epochs_run": self.epochs_run,
             "world_size": self.ctx.world_size,
             "strategy": self.ctx.strategy,

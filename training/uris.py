@@ -56,8 +56,7 @@ def _opened(name: str) -> Path:
 
 def plain_sqlite(uri: str) -> bool:
     """sqlite:///<path> with no query and no `file:` URI: the form every part of gpuflow reads alike."""
-    rest = uri.split(":///", 1)[-1]
-    return uri.startswith("sqlite:///") and "?" not in uri and not rest.startswith("file:")
+    return uri.startswith(SQLITE) and "?" not in uri and not uri[len(SQLITE):].startswith("file:")
 
 
 def same_store(a: str, b: str) -> bool:

@@ -179,7 +179,7 @@ def assign_devices_for(report: EnvironmentReport, req: Devices, batch_size: int 
                 f"gpus={req.gpus} asks for GPUs but none are usable on {report.hostname} "
                 f"(present: {', '.join(str(g.index) for g in report.gpus) or 'none'}, "
                 f"CUDA_VISIBLE_DEVICES={report.cuda_visible_devices or 'unset'}); use gpus=cpu")
-        plan = _gpu_plan(report, req, _choose(report, req, set(locked)))
+        plan = _gpu_plan(report, req, _choose(report, req, locked))
     _check_batch_and_precision(plan, report, batch_size, precision)
     return plan
 

@@ -6,6 +6,7 @@ The lock files and their folder are shared by every unix user of the machine (mo
 from __future__ import annotations
 
 import fcntl
+import itertools
 import logging
 import os
 import pwd
@@ -121,18 +122,16 @@ class CardLocks:
         """True once no process holds the card's shared `.ranks` lock (probed, not kept)."""
         fd = _open_shared(self.path(uuid, "ranks"))
         try:
-            waited = False
-            while True:
+            for attempt in itertools.count():
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                     return True  # closing fd drops the probe at once
                 except BlockingIOError:
                     if time.monotonic() >= deadline:
                         return False
-                if not waited:
+                if attempt == 0:
                     log.warning("card %s: waiting up to %.0f s for the processes of an ended gpuflow run "
                                 "to exit", uuid, max(0.0, deadline - time.monotonic()))
-                    waited = True
                 time.sleep(0.1)
         finally:
             os.close(fd)

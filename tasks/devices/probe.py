@@ -6,6 +6,7 @@ NVML (or nvidia-smi), torch's view in a child process.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import shutil
@@ -65,21 +66,14 @@ class EnvironmentReport(BaseModel):
 
 def parse_visible(cvd: str | None, gpus: list[GpuInfo]) -> list[int]:
     """Map a CUDA_VISIBLE_DEVICES value (indices or UUIDs) to physical ids, in its order."""
+    ids = [g.index for g in gpus]
     if cvd is None:
-        return [g.index for g in gpus]
+        return ids
     out: list[int] = []
-    for tok in (t.strip() for t in cvd.split(",")):
-        if not tok:
-            continue
-        if tok.isdigit():
-            idx = int(tok)
-        else:
-            match = [g.index for g in gpus if g.uuid == tok or g.uuid.startswith(tok)]
-            if not match:
-                break  # CUDA stops at the first invalid entry
-            idx = match[0]
-        if idx not in {g.index for g in gpus}:
-            break
+    for tok in filter(None, (t.strip() for t in cvd.split(","))):
+        idx = int(tok) if tok.isdigit() else next((g.index for g in gpus if g.uuid.startswith(tok)), None)
+        if idx not in ids:
+            break  # CUDA stops at the first invalid entry
         out.append(idx)
     return out
 
@@ -135,20 +129,17 @@ def gpus_from_smi() -> tuple[list[GpuInfo], str | None]:
         raise FileNotFoundError("nvidia-smi not on PATH")
     run = lambda *a: subprocess.run([smi, *a, "--format=csv,noheader,nounits"], capture_output=True,
                                     text=True, timeout=30, check=True).stdout
-    busy: dict[str, int] = {}
-    for line in run("--query-compute-apps=gpu_uuid").splitlines():
-        if line.strip():
-            busy[line.strip()] = busy.get(line.strip(), 0) + 1
+    num = lambda s: int(float(s)) if s.replace(".", "", 1).isdigit() else None  # "[N/A]" and the like: None
+    busy = collections.Counter(u.strip() for u in run("--query-compute-apps=gpu_uuid").splitlines() if u.strip())
     gpus, driver = [], None
     for line in run(f"--query-gpu={SMI_QUERY}").splitlines():
         f = [x.strip() for x in line.split(",")]
         if len(f) < 9:
             continue
-        num = lambda s: int(float(s)) if s.replace(".", "", 1).isdigit() else None
         gpus.append(GpuInfo(index=int(f[0]), uuid=f[1], pci_bus_id=f[2], name=f[3],
                             compute_capability=f[4], memory_total_mb=num(f[5]) or 0,
                             memory_free_mb=num(f[6]) or 0, utilization_pct=num(f[7]),
-                            processes=busy.get(f[1], 0)))
+                            processes=busy[f[1]]))
         driver = f[8]
     return _pci_order(gpus), driver
 
@@ -248,10 +239,7 @@ def read_environment(nvml=None, with_torch: bool = True, import_torch: bool = Tr
 
 def why_unknown(report: EnvironmentReport, tv: dict, with_torch: bool) -> dict[str, str]:
     """The reason for each version the probe could not read."""
-    if not with_torch:
-        torch_why = "torch not probed"
-    else:
-        torch_why = "; ".join(tv.get("error", [])) or "torch did not report it"
+    torch_why = ("; ".join(tv.get("error", [])) or "torch did not report it") if with_torch else "torch not probed"
     no_gpu = "no GPU on this host: it loads with the CUDA runtime"
     reasons = {
         "driver": "no NVIDIA driver found: neither NVML nor nvidia-smi answered" if report.source == "none"
@@ -268,8 +256,6 @@ def why_unknown(report: EnvironmentReport, tv: dict, with_torch: bool) -> dict[s
 
 @task(name="probe-environment")
 def probe_environment() -> EnvironmentReport:
-    """Report GPUs, versions and backends of this host without initialising CUDA.
-
-    Without GPUs torch is not imported: nothing in the plan depends on its backends.
-    """
+    """Report GPUs, versions and backends of this host without initialising CUDA (nor, without GPUs, importing
+    torch: nothing in the plan depends on its backends)."""
     return read_environment(import_torch=False)

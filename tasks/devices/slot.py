@@ -92,12 +92,15 @@ def _run_log() -> logging.Logger | logging.LoggerAdapter:
 @contextmanager
 def _holder_file(name: str, lease: UUID):
     """`<limit>.<lease>.slot` in the lock folder, flocked for the block: the kernel drops it if this process dies."""
+    from prefect.runtime import flow_run
+
     folder = lock_dir()
     make_shared_dir(folder)
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".slot-")
     fcntl.flock(fd, fcntl.LOCK_EX)
     os.fchmod(fd, 0o644)  # other users' runs open it to probe the lock and read who holds the slot
-    os.write(fd, _holder_text().encode())
+    run = flow_run.get_name()
+    os.write(fd, f"pid {os.getpid()} of {user_name(os.getuid())}{f', flow run {run!r}' if run else ''}".encode())
     path = folder / f"{name}.{lease}.slot"
     os.replace(tmp, path)  # appears already locked: no waiter ever sees it free while its holder lives
     try:
@@ -105,13 +108,6 @@ def _holder_file(name: str, lease: UUID):
     finally:
         _remove(path)
         os.close(fd)
-
-
-def _holder_text() -> str:
-    from prefect.runtime import flow_run
-
-    run = flow_run.get_name()
-    return f"pid {os.getpid()} of {user_name(os.getuid())}" + (f", flow run {run!r}" if run else "")
 
 
 def _release_dead_holders(client, name: str) -> tuple[list[str], int]:
@@ -163,25 +159,25 @@ def _remove(path: Path) -> bool:
 @contextmanager
 def _renewed(lease: UUID):
     """The lease renewed by a thread while the block runs."""
+    from prefect.client.orchestration import get_client
+
     stop = threading.Event()
-    thread = threading.Thread(target=_renew_until, args=(lease, stop), name="device-slot-lease", daemon=True)
+
+    def renew() -> None:
+        with get_client(sync_client=True) as client:
+            while not stop.wait(SLOT_LEASE_S / 3):  # two renewals may fail before the lease lapses
+                try:
+                    client.renew_concurrency_lease(lease, SLOT_LEASE_S)
+                except Exception as e:  # the run goes on; the slot may be given to another run meanwhile
+                    log.warning("device slot lease %s not renewed: %s", lease, e)
+
+    thread = threading.Thread(target=renew, name="device-slot-lease", daemon=True)
     thread.start()
     try:
         yield
     finally:
         stop.set()
         thread.join()
-
-
-def _renew_until(lease: UUID, stop: threading.Event) -> None:
-    from prefect.client.orchestration import get_client
-
-    with get_client(sync_client=True) as client:
-        while not stop.wait(SLOT_LEASE_S / 3):  # two renewals may fail before the lease lapses
-            try:
-                client.renew_concurrency_lease(lease, SLOT_LEASE_S)
-            except Exception as e:  # the run goes on; the slot may be given to another run meanwhile
-                log.warning("device slot lease %s not renewed: %s", lease, e)
 
 
 def limit_exists(name: str) -> bool:

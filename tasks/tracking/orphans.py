@@ -43,12 +43,11 @@ def reap_orphaned_runs(client: MlflowClient) -> list[str]:
     host = socket.gethostname()
     reaped = []
     for run in running(client, OWNER_HOST, host):
-        if owner_alive(run.data.tags):
-            continue
-        end_run(client, run.info.run_id, "KILLED",
-                f"its owner (pid {run.data.tags.get(OWNER_PID)} on {host}) ended without ending the "
-                "run (killed or crashed); marked KILLED by the next gpuflow run on this host")
-        reaped.append(run.info.run_id)
+        if not owner_alive(run.data.tags):
+            end_run(client, run.info.run_id, "KILLED",
+                    f"its owner (pid {run.data.tags.get(OWNER_PID)} on {host}) ended without ending the "
+                    "run (killed or crashed); marked KILLED by the next gpuflow run on this host")
+            reaped.append(run.info.run_id)
     return reaped
 
 

@@ -7,6 +7,7 @@ nothing is unpickled.
     model.unwrap_python_model().model       # the plain nn.Module
 """
 
+import functools
 import importlib
 import sys
 from collections.abc import Mapping
@@ -42,15 +43,12 @@ def _import(reference: str, code: Path):
     loaded = sys.modules.get(top)
     origin = getattr(loaded, "__file__", None) or next(iter(getattr(loaded, "__path__", [])), None)
     # only code the model ships can differ from what this process imported; an installed package is the environment's
-    if (loaded is not None and origin and _ships(code, top) and code not in Path(origin).resolve().parents
+    if (origin and _ships(code, top) and code not in Path(origin).resolve().parents
             and not _same_code(module_name, code, origin)):
         raise ImportError(f"this model's code is the package {top!r} (in {code}), but this process has "
                           f"already imported another {top!r} from {origin}; load the model in a fresh "
                           "process, or one that has not imported that module")
-    target = importlib.import_module(module_name)
-    for part in attr.split("."):
-        target = getattr(target, part)
-    return target
+    return functools.reduce(getattr, attr.split("."), importlib.import_module(module_name))
 
 
 class CheckpointModel(PythonModel):

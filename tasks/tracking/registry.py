@@ -62,14 +62,13 @@ def resolve_version(client, name: str, version: str) -> str:
     check_model_exists(client, name)
     if version != CHAMPION:
         return version
-    found = champion_version(client, name)
-    if found is None:
-        have = sorted(int(v.version) for v in client.search_model_versions(f"name='{name}'"))
-        newest = have[-1] if have else "N"
-        raise UserError(f"model {name!r} has no 'champion' yet (the retrain flow sets it); choose one of its versions "
-                        f"({', '.join(map(str, have)) or 'none'}): --version {newest} on the command line, "
-                        f"-p version={newest} for a deployment")
-    return found
+    if (found := champion_version(client, name)) is not None:
+        return found
+    have = sorted(int(v.version) for v in client.search_model_versions(f"name='{name}'"))
+    newest = have[-1] if have else "N"
+    raise UserError(f"model {name!r} has no 'champion' yet (the retrain flow sets it); choose one of its versions "
+                    f"({', '.join(map(str, have)) or 'none'}): --version {newest} on the command line, "
+                    f"-p version={newest} for a deployment")
 
 
 def checkpoint_of(client, name: str, version: str, dest: Path) -> Path:

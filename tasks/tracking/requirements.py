@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import sys
 import tomllib
+from contextlib import suppress
 from importlib.metadata import packages_distributions, version
 from pathlib import Path
 
@@ -61,16 +62,12 @@ def pinned(distribution: str) -> str:
 def declared(root: Path) -> dict[str, str]:
     """The dependencies `root` declares, by name: pyproject.toml's [project].dependencies, then requirements.txt."""
     lines = []
-    try:
+    with suppress(OSError, tomllib.TOMLDecodeError, KeyError, TypeError):  # none declared there
         lines += tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]
-    except (OSError, tomllib.TOMLDecodeError, KeyError, TypeError):  # none declared there
-        pass
     if (root / "requirements.txt").is_file():
         lines += [ln.split(" #")[0].strip() for ln in (root / "requirements.txt").read_text().splitlines()]
     found = {}
     for ln in lines:
-        try:
+        with suppress(InvalidRequirement, TypeError):  # a comment, an option (-r, -e), a non-string in pyproject
             found[canonicalize_name(Requirement(ln).name)] = ln
-        except (InvalidRequirement, TypeError):  # a comment, an option (-r, -e), a non-string in pyproject
-            pass
     return found

@@ -43,9 +43,7 @@ def model_code(spec: dict, code_root: str | None, folder: Path) -> tuple[str, li
         sys.path.insert(0, code_root)
     found = importlib.util.find_spec(top)
     where = Path(found.submodule_search_locations[0] if found.submodule_search_locations else found.origin)
-    if {"site-packages", "dist-packages"} & set(where.parts):
-        return spec["reference"], []
-    return spec["reference"], [str(where)]
+    return spec["reference"], [] if {"site-packages", "dist-packages"} & set(where.parts) else [str(where)]
 
 
 def model_signature(example_file: str | None, outputs: list[dict] | None) -> tuple:

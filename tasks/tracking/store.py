@@ -14,11 +14,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gpuflow.training.errors import UserError
+from gpuflow.training.uris import sqlite_file as sqlite_path
 
 if TYPE_CHECKING:  # MLflow is imported where it is used: this module's defaults need none of it
     from mlflow.tracking import MlflowClient
-
-from gpuflow.training.uris import sqlite_file as sqlite_path
 
 FLOW_RUN_TAG = "prefect.flow_run_id"  # on every run: finds a flow run's MLflow run
 
@@ -77,8 +76,7 @@ def checkpoint_wal(uri: str, busy_timeout_s: float = 2.0) -> bool:
 
 def ensure_experiment(client: MlflowClient, name: str) -> str:
     """The experiment's id, creating it if needed; on SQLite its artifacts live beside the db."""
-    exp = client.get_experiment_by_name(name)
-    if exp is not None:
+    if (exp := client.get_experiment_by_name(name)) is not None:
         return exp.experiment_id
     db = sqlite_path(client.tracking_uri)
     location = str(db.parent / "mlartifacts" / name) if db else None
@@ -108,7 +106,7 @@ def flat_params(d: dict, prefix: str = "") -> dict[str, str]:
     return out
 
 
-def end_run(client: MlflowClient, run_id: str, status: str, error: str | None = None) -> str:
+def end_run(client: MlflowClient, run_id: str, status: str, error: str | None = None) -> None:
     """End `run_id` with `status`; `error` goes to the run's `error` tag."""
     if error:
         client.set_tag(run_id, "error", error[:4000])
@@ -119,10 +117,9 @@ def end_run(client: MlflowClient, run_id: str, status: str, error: str | None = 
         mlflow.end_run(status)  # also stops this thread's system metrics monitor
     else:
         client.set_terminated(run_id, status)
-    return status
 
 
-def withdraw_versions(client: MlflowClient, run_id: str) -> list[str]:
+def withdraw_versions(client: MlflowClient, run_id: str) -> None:
     """Delete the registered versions made from a run that then failed, so none points at a FAILED or KILLED run;
     the run's `gpuflow.withdrawn_versions` tag names them."""
     gone = []
@@ -131,4 +128,3 @@ def withdraw_versions(client: MlflowClient, run_id: str) -> list[str]:
         gone.append(f"{mv.name} v{mv.version}")
     if gone:
         client.set_tag(run_id, "gpuflow.withdrawn_versions", ", ".join(gone))
-    return gone

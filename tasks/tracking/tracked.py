@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import mlflow
-from mlflow.entities import Metric
+from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient
 
 from gpuflow.training.contract import RunFolder
@@ -27,14 +27,12 @@ from .orphans import owner_tags, reap_orphaned_runs
 from .store import checkpoint_wal, end_run, ensure_experiment, flat_params, prepare_store, withdraw_versions
 
 
-def status_for(exc: BaseException | None) -> str:
-    """FINISHED without an error; KILLED for a stop from outside (signal, cancel); else FAILED."""
+def status_for(exc: BaseException) -> str:
+    """KILLED for a stop from outside (signal, cancel), else FAILED."""
     from prefect.exceptions import Abort, TerminationSignal
 
     from gpuflow.tasks.child import Stopped
 
-    if exc is None:
-        return "FINISHED"
     stops = (KeyboardInterrupt, SystemExit, TerminationSignal, Abort, asyncio.CancelledError,
              concurrent.futures.CancelledError, Stopped)
     return "KILLED" if isinstance(exc, stops) else "FAILED"
@@ -71,16 +69,17 @@ def lost_api_message(exc: BaseException) -> str:
 
 
 class MetricsRelay(threading.Thread):
-    """Logs the complete lines rank 0 appends to its metrics file to the run, every `interval` seconds and once
+    """Logs the complete lines rank 0 appends to its metrics file to the run, every `LOG_S` seconds and once
     more when stopped. `on_metrics(step, metrics)` (a sweep's pruner) sees each line as soon as it is read, every
-    `ON_METRICS_S`; the lines are still logged in batches, every `interval`."""
+    `ON_METRICS_S`; the lines are still logged in batches, every `LOG_S`."""
 
+    LOG_S = 0.5
     ON_METRICS_S = 0.05  # a pruned trial stops within an epoch however short its epochs
 
-    def __init__(self, client: MlflowClient, run_id: str, path: Path, interval: float = 0.5,
+    def __init__(self, client: MlflowClient, run_id: str, path: Path,
                  on_metrics: Callable[[int, dict], None] | None = None, checkpoints: Path | None = None):
         super().__init__(name="gpuflow-metrics-relay", daemon=True)
-        self.client, self.run_id, self.path, self.interval = client, run_id, path, interval
+        self.client, self.run_id, self.path = client, run_id, path
         self.offset = path.stat().st_size if path.exists() else 0  # this run's lines only
         self.logged = 0
         self.on_metrics = on_metrics
@@ -89,15 +88,13 @@ class MetricsRelay(threading.Thread):
         self._halt = threading.Event()
 
     def run(self) -> None:
-        last = time.monotonic()
-        while True:
-            stopping = self._halt.wait(self.ON_METRICS_S if self.on_metrics else self.interval)
+        last, stopping = time.monotonic(), False
+        while not stopping:
+            stopping = self._halt.wait(self.ON_METRICS_S if self.on_metrics else self.LOG_S)
             self._read()
-            if stopping or time.monotonic() - last >= self.interval:
+            if stopping or time.monotonic() - last >= self.LOG_S:
                 self._log()
                 last = time.monotonic()
-            if stopping:
-                return
 
     def _log(self) -> None:
         lines, self.pending = self.pending, []
@@ -166,8 +163,8 @@ class TrackedRun:
         return RunFolder(self.workdir).metrics
 
     def log_params(self, params: dict) -> None:
-        self.client.log_batch(self.run_id, params=[mlflow.entities.Param(k, v) for k, v in
-                                                   flat_params(params).items()], synchronous=True)
+        self.client.log_batch(self.run_id, params=[Param(k, v) for k, v in flat_params(params).items()],
+                              synchronous=True)
 
     def log_metrics(self, metrics: dict[str, float]) -> None:
         ts = int(time.time() * 1000)
@@ -184,8 +181,7 @@ class TrackedRun:
     def relaying_metrics(self, on_metrics: Callable[[int, dict], None] | None = None,
                          checkpoints: Path | None = None) -> Iterator[MetricsRelay]:
         """Relay rank 0's metrics file (and, given, the `checkpoints` folder's new epochs) to the run for the block."""
-        relay = MetricsRelay(self.client, self.run_id, self.metrics_file, on_metrics=on_metrics,
-                             checkpoints=checkpoints)
+        relay = MetricsRelay(self.client, self.run_id, self.metrics_file, on_metrics, checkpoints)
         relay.start()
         try:
             yield relay
