@@ -100,7 +100,7 @@ class Worker:
                                               retry_condition_fn=retry_unless_it_repeats)
         uploads = folder.checkpoints if how.upload_checkpoints else None
         with s.timer("launch"), run.relaying_metrics(how.on_metrics, uploads) if run else nullcontext():
-            result = launch(config.to_json(folder.config), s.plan, p, p, folder.root,
+            result = launch(config.to_json(folder.config), s.plan, p, folder.root,
                             run.metrics_file if run else None, s.cards, how.rdzv, how.stop)
         return Outcome(result, rank0=result.get("rank0", True), stopped=result.get("stopped", False))
 
@@ -157,8 +157,7 @@ class Script:
         rank0 = False
         try:
             with watching(run, how.metric, how.on_metrics), run.relaying_metrics():
-                launch_script(p.script, p.script_args, p, p.tracking_uri, s.plan, run, s.cards, how.rdzv,
-                              how.stop, how.cwd)
+                launch_script(p, s.plan, run, s.cards, how.rdzv, how.stop, how.cwd)
             rank0 = how.rdzv is None or folder.process_group.is_file()  # rank 0 leaves it when the script ends
         except TrainingFailed:
             if how.rdzv is None:  # the failed script's files and logs are kept in the run too

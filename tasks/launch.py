@@ -29,7 +29,7 @@ from .devices.assign import DevicePlan
 from .devices.cards import CardLocks
 
 if TYPE_CHECKING:  # the request: the flows' parameters
-    from gpuflow.flows.params import Machines, Nodes, ScriptParams, Torchrun
+    from gpuflow.flows.params import Nodes, PipelineParams, ScriptParams
 
 
 class Rendezvous(BaseModel):
@@ -65,13 +65,13 @@ def port_in_use(host: str, port: int) -> bool:
     return False
 
 
-def torchrun(plan: DevicePlan, launch: Torchrun, opts: Nodes | Machines, rdzv: Rendezvous | None,
+def torchrun(plan: DevicePlan, opts: PipelineParams | ScriptParams, rdzv: Rendezvous | None,
              log_dir: Path) -> list[str]:
     """torchrun with the plan's processes per node, restarts and rendezvous; its per-attempt folders in `log_dir`
     (in the run's folder, not a /tmp/torchelastic_* of each launch left behind)."""
     # no --tee for the worker: its log-tailing threads once kept a signalled torchrun from exiting (--log-dir alone
     # starts none)
-    restarts = 0 if rdzv else launch.max_restarts  # placed: a node that fails fails the job
+    restarts = 0 if rdzv else opts.max_restarts  # placed: a node that fails fails the job
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={plan.nproc_per_node}",
            f"--max-restarts={restarts}", "--role=rank", f"--log-dir={log_dir}"]
     if rdzv:  # its peers leave within a second; restarting them would resume from different checkpoints
@@ -119,16 +119,16 @@ def child_environment(plan: DevicePlan, metrics_file: Path | None = None) -> dic
     return env
 
 
-def launch(config: Path, plan: DevicePlan, opts: Torchrun, nodes: Nodes, workdir: Path, log,
+def launch(config: Path, plan: DevicePlan, opts: PipelineParams, workdir: Path, log,
            metrics_file: Path | None = None, hold_fds: tuple[int, ...] = (), attempt: int = 1,
            rdzv: Rendezvous | None = None, stop: threading.Event | None = None) -> dict:
     """Run the worker for `config` with the plan's devices; its results JSON (`rank0` False on a node without
     global rank 0; `stopped` when `stop` was set)."""
-    check_rendezvous(nodes)
+    check_rendezvous(opts)
     folder = RunFolder(workdir)
     result = folder.result
     result.unlink(missing_ok=True)
-    cmd = [*(torchrun(plan, opts, nodes, rdzv, folder.torchrun) if plan.strategy == "ddp" else [sys.executable]),
+    cmd = [*(torchrun(plan, opts, rdzv, folder.torchrun) if plan.strategy == "ddp" else [sys.executable]),
            "-m", "gpuflow.training", "--config", str(config), "--result", str(result)]
     log.info("launching: %s", " ".join(cmd))
     env = child_environment(plan, metrics_file) | {LAUNCH_ATTEMPT_ENV: str(attempt), **error_folder(workdir)}
@@ -143,29 +143,28 @@ def launch(config: Path, plan: DevicePlan, opts: Torchrun, nodes: Nodes, workdir
     if code != 0:
         raise failure("training", code, workdir, tail, "worker.log")
     if not result.is_file():
-        if nodes.node_rank != 0 or rdzv:  # global rank 0, which writes it, is on another machine
+        if opts.node_rank != 0 or rdzv:  # global rank 0, which writes it, is on another machine
             return {"rank0": False, "final_metrics": {}}
         raise TrainingFailed(f"training exited 0 but wrote no {result}")
     return json.loads(result.read_text())
 
 
 @task(name="launch-training", retries=0, cache_policy=NO_CACHE)
-def launch_training(config: Path, plan: DevicePlan, opts: Torchrun, nodes: Nodes, workdir: Path,
+def launch_training(config: Path, plan: DevicePlan, opts: PipelineParams, workdir: Path,
                     metrics_file: Path | None = None, hold_fds: tuple[int, ...] = (),
                     rdzv: Rendezvous | None = None, stop: threading.Event | None = None) -> dict:
     """Run the worker with the plan's devices; stream its output; return its results JSON."""
     from prefect import get_run_logger
     from prefect.runtime import task_run
 
-    return launch(config, plan, opts, nodes, workdir, get_run_logger(), metrics_file, hold_fds, task_run.run_count,
-                  rdzv, stop)
+    return launch(config, plan, opts, workdir, get_run_logger(), metrics_file, hold_fds, task_run.run_count, rdzv,
+                  stop)
 
 
 @task(name="launch-script", retries=0, cache_policy=NO_CACHE)
-def launch_script(script: str, script_args: list[str], opts: ScriptParams, tracking_uri: str, plan: DevicePlan,
-                  run, hold_fds: tuple[int, ...] = (), rdzv: Rendezvous | None = None,
-                  stop: threading.Event | None = None, cwd: Path | None = None) -> None:
-    """Run the user's script under torchrun, always (one process per device), from `cwd` (default:
+def launch_script(opts: ScriptParams, plan: DevicePlan, run, hold_fds: tuple[int, ...] = (),
+                  rdzv: Rendezvous | None = None, stop: threading.Event | None = None, cwd: Path | None = None) -> None:
+    """Run the user's script (`opts.script`) under torchrun, always (one process per device), from `cwd` (default:
     the folder gpuflow runs in), in the MLflow run `run`; stream its output to the flow's log and
     logs/script.log."""
     from prefect import get_run_logger
@@ -175,15 +174,15 @@ def launch_script(script: str, script_args: list[str], opts: ScriptParams, track
     log, folder = get_run_logger(), RunFolder(run.workdir)
     folder.outputs.mkdir(parents=True, exist_ok=True)
     # per-rank logs, console lines tagged by rank; training/runscript.py runs it as `python script.py` would
-    cmd = [*torchrun(plan, opts, opts, rdzv, folder.logs / "ranks"), "--tee=3",
-           "--log-line-prefix-template=[rank${rank}]:", "-m", "gpuflow.training.runscript", script, *script_args]
+    cmd = [*torchrun(plan, opts, rdzv, folder.logs / "ranks"), "--tee=3", "--log-line-prefix-template=[rank${rank}]:",
+           "-m", "gpuflow.training.runscript", opts.script, *opts.script_args]
     log.info("launching: %s", " ".join(cmd))
     env = child_environment(plan, run.metrics_file)
     env.pop("MLFLOW_EXPERIMENT_NAME", None)  # the run's own experiment, set below, is the one
     # the script's own log_metric calls queue and return: training never waits on the store's answer
     env = {"MLFLOW_ENABLE_ASYNC_LOGGING": "true", **env, **FRESH_RDZV_STORE, **error_folder(folder.root),
            "MLFLOW_RUN_ID": run.run_id, "MLFLOW_EXPERIMENT_ID": run.experiment_id,
-           "MLFLOW_TRACKING_URI": absolute_uri(tracking_uri),
+           "MLFLOW_TRACKING_URI": absolute_uri(opts.tracking_uri),
            "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false",  # the flow runs the one monitor of the run
            OUTPUT_DIR_ENV: str(folder.outputs), DIST_TIMEOUT_ENV: str(opts.dist_timeout_s),
            PROCESS_GROUP_FILE_ENV: str(folder.process_group), **(rdzv.environ() if rdzv else {})}
@@ -191,7 +190,7 @@ def launch_script(script: str, script_args: list[str], opts: ScriptParams, track
     code, tail = run_child(cmd, env, cwd or Path.cwd(), log, hold_fds, log_file=folder.logs / "script.log", stop=stop)
     # this machine's ranks (a placed run's other nodes judge theirs: the job stands only if every node does)
     if code != 0 and ran_to_the_end(folder.errors, plan.nproc_per_node):
-        log.warning(f"{Path(script).name}: every rank ran the script to its end, then a process failed as it "
+        log.warning(f"{Path(opts.script).name}: every rank ran the script to its end, then a process failed as it "
                     f"exited (torchrun's exit code {code}; gloo's exit abort, pytorch#190489): the run stands")
     elif code != 0:
-        raise failure(Path(script).name, code, folder.root, tail, "script.log")
+        raise failure(Path(opts.script).name, code, folder.root, tail, "script.log")

@@ -4,8 +4,10 @@ folder with no store: one line on stderr naming the cause, exit 2, and nothing c
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import mlflow
@@ -15,7 +17,7 @@ import torch
 from gpuflow.tasks.tracking import store
 from gpuflow.tasks.tracking.registry import resolve_version
 from gpuflow.training.errors import UserError
-from tests.helpers import ROOT, run_worker
+from tests.helpers import ROOT, child_env, run_worker
 
 GPUFLOW = ROOT / ".venv" / "bin" / "gpuflow"
 
@@ -108,3 +110,25 @@ def test_a_model_name_the_store_lacks_is_named_with_the_ones_it_holds(tmp_path):
             resolve_version(client, "gpuflow-model", version)
         assert "registered model 'gpuflow-model' does not exist" in str(e.value)
         assert "the models there: digits-mlp" in str(e.value) and "champion' alias" not in str(e.value)
+
+
+EXIT_MARKED = ("import atexit, runpy, sys; atexit.register(print, 'interpreter teardown', flush=True); "
+               "sys.argv = ['evaluate', *sys.argv[1:]]; "
+               "runpy.run_module('gpuflow.training.evaluate', run_name='__main__', alter_sys=True)")
+
+
+@pytest.mark.parametrize("checkpoint,code", [("good", 0), ("truncated", 2)])
+def test_the_evaluation_child_writes_its_report_then_leaves_without_the_interpreters_teardown(
+        files, tmp_path, checkpoint, code):
+    """The sweep's and retrain's champion evaluation waits on this child: once its report is written it leaves at
+    once (the teardown of torch's modules would only delay the parent), the report whole, the exit code kept."""
+    out = subprocess.run([sys.executable, "-c", EXIT_MARKED, "--checkpoint", str(files[checkpoint]),
+                          "--result", str(tmp_path / "report.json"), "--device", "cpu"],
+                         cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=240)
+    assert out.returncode == code, out.stderr[-3000:]
+    assert "interpreter teardown" not in out.stdout, out.stdout[-3000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    if code == 0:
+        assert report[0]["samples"] > 0 and report[0]["model"] == "mlp", report
+    else:
+        assert "is corrupt or truncated" in report["error"], report

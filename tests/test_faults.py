@@ -107,7 +107,7 @@ def test_a_node_that_never_arrives_fails_within_the_rendezvous_timeout(tmp_path)
     cfg = worker_config(p, plan, folder=RunFolder(tmp_path)).to_json(tmp_path / "config.json")
     start = time.monotonic()
     with pytest.raises(TrainingFailed, match="training failed: exited with code 1; its last line: .*Timed out"):
-        launch(cfg, plan, p, p, tmp_path, logging.getLogger("t"))
+        launch(cfg, plan, p, tmp_path, logging.getLogger("t"))
     assert time.monotonic() - start < 120
     assert not (tmp_path / "checkpoints").exists()
 

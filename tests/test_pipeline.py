@@ -171,7 +171,7 @@ def test_two_nodes_on_one_host_train_together_into_one_run(prefect_api, store, t
         import logging
 
         try:
-            launch(cfg, plan, p1, p1, work, logging.getLogger("node1"))
+            launch(cfg, plan, p1, work, logging.getLogger("node1"))
         except BaseException as e:  # surfaced by the assert below
             errors.append(e)
 

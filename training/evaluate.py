@@ -264,5 +264,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    gc.freeze()  # torch's and the modules' objects live to the end: no collection scans them, at exit neither
-    sys.exit(main())
+    gc.freeze()  # torch's and the modules' objects live to the end: no collection scans them
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # the report is written: the interpreter's teardown of torch would only delay the parent
