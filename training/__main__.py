@@ -17,7 +17,7 @@ from . import contract
 from .cardlock import hold_card_locks
 from .errors import TrainingDiverged, UserError
 from .files import write_json_atomic
-from .lifetime import die_with_parent, exit_on_sigterm
+from .lifetime import die_with_parent, exit_on_sigterm, leave
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -71,7 +71,7 @@ def _train(cfg, metrics, config_path: str, result_path: str | None, freeze_impor
         distributed.barrier(ctx)  # a rank tearing gloo down while rank 0 still writes can abort (SIGABRT)
         return result
     finally:
-        # DDP's model and reducer hold the group: freed before it is torn down (gloo's own threads live on to os._exit)
+        # DDP's model and reducer hold the group: freed before it is torn down (gloo's own threads live on to `leave`)
         trainer = None
         gc.collect()
         distributed.teardown()
@@ -119,10 +119,4 @@ def _checkpoint_dir(config_path: str) -> str | None:
 
 if __name__ == "__main__":
     gc.disable()  # until the imports are frozen (_train)
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Out at once, everything written and the group torn down: the interpreter's teardown would destroy gloo's
-    # threads, which outlive destroy_process_group, and aborted a rank now and then (SIGABRT, 'terminate called
-    # without an active exception', pytorch#190489); it would also spend ~0.2 s on objects about to vanish.
-    os._exit(code)
+    leave(main())  # result.json written, the checkpoint writer drained, the process group torn down

@@ -32,6 +32,7 @@ from .builder import make_model
 from .data import load_data
 from .errors import UserError
 from .files import write_json_atomic
+from .lifetime import leave
 from .policy import Policy
 from .objective import (Classification, Totals, apply, batch_len, call_model, concat, load_objective, shapes,
                         split_batch)
@@ -265,7 +266,4 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     gc.freeze()  # torch's and the modules' objects live to the end: no collection scans them
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # the report is written: the interpreter's teardown of torch would only delay the parent
+    leave(main())  # the report is written

@@ -1,5 +1,6 @@
 """How gpuflow's processes end: with their parent (PR_SET_PDEATHSIG, so a flow killed outright takes its
-children with it), and on SIGTERM as on any other exit (`finally` blocks and exit handlers run)."""
+children with it), on SIGTERM as on any other exit (`finally` blocks and exit handlers run), and, once their
+work is written, at once (`leave`)."""
 
 from __future__ import annotations
 
@@ -31,3 +32,13 @@ def exit_on_sigterm() -> None:
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, handler)
+
+
+def leave(code: int) -> None:
+    """Exit with `code` now, stdout and stderr flushed, without the interpreter's teardown: for a child whose
+    results are written and whose resources are released. Its teardown of torch only delays the parent, and in
+    a rank would destroy gloo's threads, which outlive destroy_process_group and abort it now and then (SIGABRT,
+    'terminate called without an active exception', pytorch#190489)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
