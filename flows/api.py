@@ -94,15 +94,17 @@ def one_start_at_a_time() -> Iterator[None]:
 
 @contextmanager
 def prefect_api() -> Iterator[str | None]:
-    """The configured API (yields None), or a temporary server for the block (yields its URL)."""
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+    """The configured API (yields None), or a temporary server for the block (yields its URL). Flow runs on a
+    temporary server send no heartbeats: it runs no services (no automation reads them) and ends with the
+    command, and without them a flow run's end does not wait up to 1 s for Prefect's heartbeat thread."""
+    from prefect.settings import PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
     if PREFECT_API_URL.value():
         yield None
         return
     with one_start_at_a_time():
         url = _start_server()
-    with temporary_settings(updates={PREFECT_API_URL: url}):
+    with temporary_settings(updates={PREFECT_API_URL: url, PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
         yield url
 
 

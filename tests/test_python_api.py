@@ -131,6 +131,44 @@ def test_a_flow_on_prefects_own_temporary_api_says_how_to_avoid_it(monkeypatch, 
     assert capsys.readouterr().err == ""
 
 
+HEARTBEAT_FLOW = """
+    from prefect import flow
+    from prefect.settings import get_current_settings
+    from gpuflow.flows import prefect_api
+
+    @flow
+    def beats():
+        return get_current_settings().flows.heartbeat_frequency
+
+    with prefect_api():
+        print(beats())
+"""
+
+
+def test_flow_runs_on_a_temporary_api_send_no_heartbeats_and_on_a_configured_one_keep_prefects(tmp_path, prefect_api):
+    """A temporary server runs no services (nothing reads heartbeats) and ends with the command: a flow's end
+    must not wait for Prefect's heartbeat thread there. A configured server keeps them (zombie detection)."""
+    from prefect import flow
+    from prefect.settings import get_current_settings
+
+    from gpuflow.flows import prefect_api as api
+
+    env = child_env(PREFECT_HOME=str(tmp_path / "ph"))
+    env.pop("PREFECT_API_URL", None)
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(HEARTBEAT_FLOW)], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["None"], out.stdout
+
+    @flow
+    def beats():
+        return get_current_settings().flows.heartbeat_frequency
+
+    with api() as url:
+        assert url is None  # the test's configured server
+        assert beats() == get_current_settings().flows.heartbeat_frequency == 180  # Prefect's default
+
+
 def test_gpuflow_flows_imports_neither_prefect_nor_mlflow_until_used():
     code = ("import sys, gpuflow.flows as f; assert 'prefect' not in sys.modules and 'mlflow' not in sys.modules; "
             "f.train_pipeline; assert 'prefect' in sys.modules")
