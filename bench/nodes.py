@@ -153,7 +153,9 @@ def main() -> None:
             for name in ("node-a", "node-b"):
                 (tmp / name).mkdir()
                 nodes.append(ServerProcess([PY, "-m", "gpuflow.flows", "node", "--name", name], api + "/health",
-                                           env(PREFECT_API_URL=api, PREFECT_HOME=str(tmp / "prefect-home")),
+                                           # the runs' shared store, tmp/mlflow.db, is in a folder it may use
+                                           env(PREFECT_API_URL=api, PREFECT_HOME=str(tmp / "prefect-home"),
+                                               GPUFLOW_ALLOW_PATHS=str(tmp)),
                                            tmp / f"{name}.log", cwd=tmp / name))
             for n in nodes:
                 n.__enter__()
