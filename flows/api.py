@@ -15,7 +15,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import IO, Iterator
 
@@ -92,38 +92,53 @@ def one_start_at_a_time() -> Iterator[None]:
         yield
 
 
+class TemporaryApi:
+    """A `prefect server start` on a free port of loopback, started at once and stopped at exit; `up()` waits until
+    it answers (its migrations done). Started before a command's imports, it boots while they run."""
+
+    def __init__(self):
+        self._starting = ExitStack()
+        self._starting.enter_context(one_start_at_a_time())  # held until it is up
+        port = _free_port()
+        self.url = f"http://127.0.0.1:{port}/api"
+        cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port),
+               "--no-ui", "--no-services", "--analytics-off"]
+        print(f"gpuflow: starting a temporary Prefect API on {self.url} (set PREFECT_API_URL to use a server)",
+              file=sys.stderr, flush=True)
+        # Its messages go to a file: a pipe nobody reads while the flow runs could fill and block it.
+        self.log = tempfile.TemporaryFile("w+")
+        self.server = start_supervised(cmd, reap=False, stdout=subprocess.DEVNULL, stderr=self.log, text=True,
+                                       env=server_environment(), start_new_session=True)
+        # Stopped at exit, after Prefect's own exit hooks have sent their last logs and events.
+        atexit.register(stop_supervised, [self.server], grace_s=15)
+
+    def up(self) -> str:
+        with self._starting:
+            wait_until_up(self.server, self.url, self.log)
+        return self.url
+
+
+def temporary_api() -> TemporaryApi | None:
+    """A temporary API, started now, when none is configured (PREFECT_API_URL); None when one is."""
+    from prefect.settings import PREFECT_API_URL
+
+    return None if PREFECT_API_URL.value() else TemporaryApi()
+
+
 @contextmanager
-def prefect_api() -> Iterator[str | None]:
-    """The configured API (yields None), or a temporary server for the block (yields its URL). Flow runs on a
-    temporary server send no heartbeats: it runs no services (no automation reads them) and ends with the
-    command, and without them a flow run's end does not wait up to 1 s for Prefect's heartbeat thread."""
+def prefect_api(started: TemporaryApi | None = None) -> Iterator[str | None]:
+    """The configured API (yields None), or a temporary server for the block (yields its URL): `started` (by
+    `temporary_api()`), else one started here. Flow runs on a temporary server send no heartbeats: it runs no
+    services (no automation reads them) and ends with the command, and without them a flow run's end does not
+    wait up to 1 s for Prefect's heartbeat thread."""
     from prefect.settings import PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
-    if PREFECT_API_URL.value():
+    api = started or temporary_api()
+    if api is None:
         yield None
         return
-    with one_start_at_a_time():
-        url = _start_server()
-    with temporary_settings(updates={PREFECT_API_URL: url, PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
-        yield url
-
-
-def _start_server() -> str:
-    """A `prefect server start` on a free port, stopped at exit; its URL once it answers."""
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}/api"
-    cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port),
-           "--no-ui", "--no-services", "--analytics-off"]
-    print(f"gpuflow: starting a temporary Prefect API on {url} (set PREFECT_API_URL to use a server)",
-          file=sys.stderr, flush=True)
-    # Its messages go to a file: a pipe nobody reads while the flow runs could fill and block it.
-    log = tempfile.TemporaryFile("w+")
-    server = start_supervised(cmd, reap=False, stdout=subprocess.DEVNULL, stderr=log, text=True,
-                              env=server_environment(), start_new_session=True)
-    # Stopped at exit, after Prefect's own exit hooks have sent their last logs and events.
-    atexit.register(stop_supervised, [server], grace_s=15)
-    wait_until_up(server, url, log)
-    return url
+    with temporary_settings(updates={PREFECT_API_URL: api.up(), PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+        yield api.url
 
 
 def wait_until_up(server: subprocess.Popen, url: str, log: IO[str]) -> None:

@@ -32,7 +32,7 @@ from gpuflow.tasks.launch import TrainingFailed
 from gpuflow.training.errors import UserError
 from gpuflow.training.lifetime import exit_on_sigterm
 
-from .api import STARTUP_TIMEOUT_DEFAULT_S, STARTUP_TIMEOUT_ENV, prefect_api, server_environment
+from .api import STARTUP_TIMEOUT_DEFAULT_S, STARTUP_TIMEOUT_ENV, prefect_api, server_environment, temporary_api
 from .calls import admit, one_line, quiet_libraries, report_user_errors_once, validated, validated_once
 from .options import add_model, rest_field
 
@@ -213,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         # Prefect ends the flow run on SIGTERM, then calls this handler: a normal exit (143)
         exit_on_sigterm()
+        api = None if command == "infer" else temporary_api()  # where one is needed it boots while the flow imports
         job = load(command, model)
         imports_done()
         with contextlib.redirect_stdout(sys.stderr):  # as above: user code may print on import, say
@@ -220,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
                 out = job(values)
             else:
                 report_user_errors_once()
-                with prefect_api(), validated_once(checked):
+                with prefect_api(api), validated_once(checked):
                     out = job(values)
     except (UserError, ValidationError) as e:
         print(f"gpuflow {command}: {one_line(e)}", file=sys.stderr)

@@ -134,20 +134,22 @@ def test_a_flow_on_prefects_own_temporary_api_says_how_to_avoid_it(monkeypatch, 
 HEARTBEAT_FLOW = """
     from prefect import flow
     from prefect.settings import get_current_settings
-    from gpuflow.flows import prefect_api
+    from gpuflow.flows.api import prefect_api, temporary_api
 
     @flow
     def beats():
         return get_current_settings().flows.heartbeat_frequency
 
-    with prefect_api():
-        print(beats())
+    api = temporary_api()  # as the CLI does: started before the flow's imports, used by prefect_api
+    with prefect_api(api) as url:
+        print(url == api.url, beats())
 """
 
 
-def test_flow_runs_on_a_temporary_api_send_no_heartbeats_and_on_a_configured_one_keep_prefects(tmp_path, prefect_api):
-    """A temporary server runs no services (nothing reads heartbeats) and ends with the command: a flow's end
-    must not wait for Prefect's heartbeat thread there. A configured server keeps them (zombie detection)."""
+def test_a_temporary_api_started_early_is_the_one_used_and_its_flow_runs_send_no_heartbeats(tmp_path, prefect_api):
+    """The CLI starts its temporary API before the flow's imports and enters it later: one server. It runs no
+    services (nothing reads heartbeats) and ends with the command: a flow's end must not wait for Prefect's
+    heartbeat thread there. A configured server keeps them (zombie detection)."""
     from prefect import flow
     from prefect.settings import get_current_settings
 
@@ -158,7 +160,8 @@ def test_flow_runs_on_a_temporary_api_send_no_heartbeats_and_on_a_configured_one
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(HEARTBEAT_FLOW)], env=env, cwd=tmp_path,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split() == ["None"], out.stdout
+    assert out.stdout.split() == ["True", "None"], out.stdout
+    assert out.stderr.count("starting a temporary Prefect API") == 1, out.stderr[-3000:]  # the one started
 
     @flow
     def beats():
