@@ -4,7 +4,8 @@ Two `gpuflow node` machines of one pool on this host (loopback, one gloo process
 Prefect server already running; the same job (`gpuflow run`'s defaults: mlp on digits, 3 epochs,
 seed 42) as `--nodes 2 --cpu-processes 1` and as `--cpu-processes 2`, interleaved. Reports both
 walls, their ratio, and the fixed start-up cost of placement (the difference: picking machines,
-the node flow runs taken by the workers, each node's probe, data and preflight, the rendezvous).
+the node flow runs taken by the workers, each node's probe, data and preflight, the rendezvous), and two of
+its phases from Prefect's states: the later node's pickup by its worker, and its flow run's process start.
 
     python -m bench.nodes [--repeats 3]
 
@@ -38,14 +39,35 @@ from tests.servers import ServerProcess, prefect_server
 
 
 def placed_and_single(tmp: Path, api: str, repeats: int) -> dict[str, list[float]]:
+    """Walls of both arms, and two phases of each placed run, from its node flow runs' states (the later node's):
+    `pickup`, created to PENDING (a worker's poll), and `start`, PENDING to RUNNING (the flow run's process)."""
     common = ["--gpus", "cpu", "--tracking-uri", f"sqlite:///{tmp / 'mlflow.db'}"]
-    walls: dict[str, list[float]] = {"placed": [], "single": []}
+    walls: dict[str, list[float]] = {"placed": [], "single": [], "pickup": [], "start": []}
     for _ in range(repeats):
         for name, args in (("placed", ["--nodes", "2", "--cpu-processes", "1"]), ("single", ["--cpu-processes", "2"])):
+            begun = time.time()
             wall, out = run([PY, "-m", "gpuflow.flows", "run", *common, *args], cwd=tmp, PREFECT_API_URL=api)
             assert last_json(out)["status"] == "FINISHED"
             walls[name].append(wall)
+            if name == "placed":
+                for phase, seconds in node_phases(api, begun).items():
+                    walls[phase].append(seconds)
     return walls
+
+
+def node_phases(api: str, since: float) -> dict[str, float]:
+    """The later node's pickup and start (see placed_and_single) among the node flow runs created after `since`."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    phases: dict[str, float] = {"pickup": 0.0, "start": 0.0}
+    with temporary_settings({PREFECT_API_URL: api}), get_client(sync_client=True) as client:
+        for fr in client.read_flow_runs():
+            if fr.work_queue_name in ("node-a", "node-b") and fr.created.timestamp() > since:
+                at = {s.type.value: s.timestamp.timestamp() for s in client.read_flow_run_states(fr.id)}
+                phases["pickup"] = max(phases["pickup"], at["PENDING"] - fr.created.timestamp())
+                phases["start"] = max(phases["start"], at["RUNNING"] - at["PENDING"])
+    return phases
 
 
 RECOVERY_JOB = ["--gpus", "cpu", "--cpu-processes", "1", "--nodes", "2", "--max-node-failures", "1",
@@ -172,6 +194,8 @@ def main() -> None:
     print(f"one node, 2 processes:              {fmt(single, 1)} s")
     print(f"ratio {ratio:.2f}; fixed start-up cost of placement "
           f"{statistics.median(walls['placed']) - statistics.median(walls['single']):+.1f} s")
+    print(f"of which, the later node: its worker's pickup {fmt(summary(walls['pickup']), 2)} s, its flow run's "
+          f"process to RUNNING {fmt(summary(walls['start']), 2)} s")
 
 
 if __name__ == "__main__":
