@@ -37,6 +37,8 @@ from bench.common import PY, env, fmt, run, summary
 from bench.overhead import last_json
 from tests.servers import ServerProcess, prefect_server
 
+NODES = ("node-a", "node-b")  # the two machines' queues, one `gpuflow node` each
+
 
 def placed_and_single(tmp: Path, api: str, repeats: int) -> dict[str, list[float]]:
     """Walls of both arms, and two phases of each placed run, from its node flow runs' states (the later node's):
@@ -63,7 +65,7 @@ def node_phases(api: str, since: float) -> dict[str, float]:
     phases: dict[str, float] = {"pickup": 0.0, "start": 0.0}
     with temporary_settings({PREFECT_API_URL: api}), get_client(sync_client=True) as client:
         for fr in client.read_flow_runs():
-            if fr.work_queue_name in ("node-a", "node-b") and fr.created.timestamp() > since:
+            if fr.work_queue_name in NODES and fr.created.timestamp() > since:
                 at = {s.type.value: s.timestamp.timestamp() for s in client.read_flow_run_states(fr.id)}
                 phases["pickup"] = max(phases["pickup"], at["PENDING"] - fr.created.timestamp())
                 phases["start"] = max(phases["start"], at["RUNNING"] - at["PENDING"])
@@ -172,7 +174,7 @@ def main() -> None:
         with server:
             server.wait()
             nodes = []
-            for name in ("node-a", "node-b"):
+            for name in NODES:
                 (tmp / name).mkdir()
                 nodes.append(ServerProcess([PY, "-m", "gpuflow.flows", "node", "--name", name], api + "/health",
                                            # the runs' shared store, tmp/mlflow.db, is in a folder it may use

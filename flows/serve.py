@@ -81,7 +81,7 @@ def main(settings: Settings | None = None) -> None:
     with temporary_settings(updates={PREFECT_API_URL: PREFECT_API_URL.value() or settings.prefect_api_url}):
         ensure_device_limit()
         interrupt_on_ctrl_c()
-        # a deployment run starts within 2 s of being asked for, not Prefect's 10 (as a node's worker)
+        # a deployment run starts within 2 s of being asked for, not Prefect's 10
         serve(*deployments(settings), query_seconds=float(os.environ.get("PREFECT_RUNNER_POLL_FREQUENCY", 2)))
 
 
