@@ -232,3 +232,18 @@ def test_a_crash_hook_never_opens_a_store_the_caller_named(served, monkeypatch):
     assert hooked_store("http://attacker.example:5000") == policy.home_store
     assert hooked_store(None) == policy.home_store
     assert hooked_store(policy.home_store) == policy.home_store
+
+
+def test_a_file_reference_imports_the_file_the_door_checked(served, tmp_path, monkeypatch):
+    """'~' means the home folder to the door, so the import reads that file too, never ./~/ in the working folder."""
+    home = Path.cwd() / "home"
+    home.mkdir()
+    (home / "nets_home.py").write_text("def make():\n    pass\n")
+    (Path.cwd() / "~").mkdir()
+    (Path.cwd() / "~" / "nets_home.py").write_text(f"open({str(tmp_path / 'unchecked-ran')!r}, 'w')\n"
+                                                  "def make():\n    pass\n")
+    monkeypatch.setenv("HOME", str(home))
+    policy = allow.current_policy(served)
+    allow.check_allowed({"dataset": "~/nets_home.py:make"}, served)
+    policy.check_config({"model": "~/nets_home.py:make"}, "checkpoint epoch-0001.pt")
+    assert not (tmp_path / "unchecked-ran").exists()

@@ -88,8 +88,8 @@ def _import(ref: str, code_root: str | None, what: str):
     """The module a reference names, imported (a file reference: loaded from its file)."""
     where, _ = split(ref)
     try:
-        if is_file_reference(ref):
-            return _file_module(Path(where))
+        if is_file_reference(ref):  # the file `normalize` and the door name: '~' expanded, links followed
+            return _file_module(Path(where).expanduser().resolve())
         if code_root and code_root not in sys.path:
             sys.path.insert(0, code_root)
         return importlib.import_module(where)
