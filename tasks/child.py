@@ -86,10 +86,12 @@ class Stopped(Exception):
 
 
 def _pump(stream, name: str, q: queue.Queue) -> None:
-    for line in iter(stream.readline, ""):
-        q.put((name, line.rstrip("\n")))
-    stream.close()
-    q.put((name, None))
+    try:
+        for line in iter(stream.readline, ""):
+            q.put((name, line.rstrip("\n")))
+        stream.close()
+    finally:  # the stream's end, however reading it ended: run_child waits for both
+        q.put((name, None))
 
 
 def run_child(cmd: list[str], env: dict, cwd: Path, log: logging.Logger | logging.LoggerAdapter,
@@ -103,17 +105,16 @@ def run_child(cmd: list[str], env: dict, cwd: Path, log: logging.Logger | loggin
     tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
     tracebacks = Tracebacks(log_file) if log_file is not None else None  # without a file, shown whole
     thinned = Progress(progress) if progress is not None and log_file is not None else None
-    proc = start_supervised(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, bufsize=1, start_new_session=True, pass_fds=hold_fds)
-    if log_file is not None:
+    if log_file is not None:  # before the child starts: nothing may fail between its start and the `try`
         log_file.parent.mkdir(parents=True, exist_ok=True)
     out = open(log_file, "a") if log_file is not None else None
     q: queue.Queue = queue.Queue()
-    readers = [threading.Thread(target=_pump, args=(s, n, q), daemon=True)
-               for s, n in ((proc.stdout, "stdout"), (proc.stderr, "stderr"))]
-    for t in readers:
-        t.start()
+    # bytes that are not UTF-8 (a C library's message, a Latin-1 file name) are shown escaped, never end the reading
+    proc = start_supervised(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            errors="backslashreplace", bufsize=1, start_new_session=True, pass_fds=hold_fds)
     try:
+        for s, n in ((proc.stdout, "stdout"), (proc.stderr, "stderr")):
+            threading.Thread(target=_pump, args=(s, n, q), daemon=True).start()
         open_streams = 2
         while open_streams:
             if stop is not None and stop.is_set():  # acted on when set, not when the output pauses

@@ -9,9 +9,11 @@ import logging
 import re
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import mlflow
+import pytest
 
 from gpuflow.training.contract import epoch_line
 from tests.test_user_code import api_url, gpuflow  # noqa: F401  (the session's Prefect server)
@@ -257,3 +259,37 @@ def _console(code: str, folder: Path) -> list[str]:
                          progress=EPOCH_LINE)
     assert code_ == 0
     return seen
+
+
+def test_output_that_is_not_utf8_is_shown_escaped_and_the_child_still_ends(tmp_path):
+    """A byte that is not UTF-8 once ended the pipe's reader, and the run waited forever for its end."""
+    import threading
+
+    from gpuflow.tasks.child import run_child
+
+    code = ("import sys; sys.stdout.buffer.write(b'caf\\xe9\\n'); sys.stdout.flush(); "
+            "[print('x' * 100) for _ in range(5000)]")  # past a pipe's 64 KiB: it blocks unless read
+    stop, done = threading.Event(), {}
+
+    def run():
+        done["result"] = run_child([sys.executable, "-c", code], None, tmp_path, logging.getLogger("x"),
+                                   log_file=tmp_path / "worker.log", stop=stop)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(60)
+    stop.set()  # ends it either way
+    t.join(60)
+    assert done["result"][0] == 0
+    assert (tmp_path / "worker.log").read_text().splitlines()[0] == "caf\\xe9"
+
+
+def test_a_log_file_that_cannot_be_written_fails_before_the_child_starts(tmp_path):
+    from gpuflow.tasks.child import run_child
+
+    (tmp_path / "logs").write_text("a file where the folder goes")
+    with pytest.raises(FileExistsError):
+        run_child([sys.executable, "-c", f"open({str(tmp_path / 'started')!r}, 'w')"], None, tmp_path,
+                  logging.getLogger("x"), log_file=tmp_path / "logs" / "worker.log")
+    time.sleep(2)  # time enough for a child, had one started, to write its file
+    assert not (tmp_path / "started").exists()
