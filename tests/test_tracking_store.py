@@ -55,6 +55,24 @@ def test_a_run_whose_start_fails_is_marked_failed_not_left_running(tmp_path):
     assert [r.info.status for r in _runs(uri, "half")] == ["FAILED"]
 
 
+
+def test_a_run_is_ended_even_when_its_error_tag_cannot_be_written(tmp_path, monkeypatch):
+    """Left RUNNING and active, it would end FINISHED at exit and block the next run on the thread; and the
+    training's error is what is raised."""
+    uri, set_tag = _uri(tmp_path), mlflow.MlflowClient.set_tag
+
+    def failing(self, run_id, key, value, *a, **kw):
+        if key == "error":
+            raise ConnectionError("the store went away")
+        return set_tag(self, run_id, key, value, *a, **kw)
+
+    monkeypatch.setattr(mlflow.MlflowClient, "set_tag", failing)
+    with pytest.raises(ValueError, match="boom in training"):
+        with tracked.tracked_run(uri, "tagless", "bad", {}, DATASET, tmp_path / "runs", system_metrics=False):
+            raise ValueError("boom in training")
+    assert mlflow.active_run() is None
+    assert [r.info.status for r in _runs(uri, "tagless")] == ["FAILED"]
+
 def test_relay_logs_complete_lines_live_and_the_rest_when_it_stops(tmp_path):
     uri = _uri(tmp_path)
     with tracked.tracked_run(uri, "relay", "r", {}, DATASET, tmp_path / "runs", system_metrics=False) as run:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import sqlite3
 import subprocess
@@ -107,11 +108,14 @@ def flat_params(d: dict, prefix: str = "") -> dict[str, str]:
 
 
 def end_run(client: MlflowClient, run_id: str, status: str, error: str | None = None) -> None:
-    """End `run_id` with `status`; `error` goes to the run's `error` tag."""
-    if error:
-        client.set_tag(run_id, "error", error[:4000])
+    """End `run_id` with `status`; `error` goes to the run's `error` tag (the run is ended even if that fails)."""
     import mlflow
 
+    if error:
+        try:
+            client.set_tag(run_id, "error", error[:4000])
+        except Exception as e:  # noqa: BLE001 - the run still ends, and the error it ends with is what is raised
+            logging.getLogger(__name__).warning("run %s: its error tag was not written: %s", run_id, e)
     active = mlflow.active_run()
     if active and active.info.run_id == run_id:
         mlflow.end_run(status)  # also stops this thread's system metrics monitor
