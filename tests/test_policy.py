@@ -179,7 +179,8 @@ def test_a_served_script_is_never_installed_code_even_inside_the_allowed_folder(
 
 
 @pytest.mark.parametrize("uri", ["sqlite:///{home}/../../tmp/elsewhere/evil.db?uri=true",
-                                 "sqlite:///file:{home}/x.db?uri=true", "sqlite:///{home}/x.db?mode=ro"])
+                                 "sqlite:///file:{home}/x.db?uri=true", "sqlite:///{home}/x.db?mode=ro",
+                                 "sqlite:///file:mlflow.db", "sqlite:///{home}/mlflow.db?uri=true&x=1"])
 def test_a_served_tracking_store_in_the_folders_is_a_plain_sqlite_path(served, uri):
     with pytest.raises(allow.NotAllowed, match="records to the operator's tracking store"):
         allow.check_allowed({"tracking_uri": uri.format(home=Path.cwd())}, served)
@@ -247,3 +248,22 @@ def test_a_file_reference_imports_the_file_the_door_checked(served, tmp_path, mo
     allow.check_allowed({"dataset": "~/nets_home.py:make"}, served)
     policy.check_config({"model": "~/nets_home.py:make"}, "checkpoint epoch-0001.pt")
     assert not (tmp_path / "unchecked-ran").exists()
+
+
+
+@pytest.mark.parametrize("url", ["sqlite:///plain.db", "sqlite:///sub/../up.db", "sqlite:///file:literal.db",
+                                 "sqlite:///file:uri.db?uri=true", "sqlite:///file:ro.db?uri=true&mode=rwc",
+                                 "sqlite:///named.db?uri=true&x=1", "sqlite:///file:a%20b.db?uri=true",
+                                 "sqlite:///kept.db?uri=true&timeout=5"])
+def test_sqlite_file_names_the_file_sqlite_creates_for_the_url(tmp_path, monkeypatch, url):
+    """Judged against SQLAlchemy and SQLite themselves: the file that appears is the one named."""
+    import sqlalchemy
+
+    (tmp_path / "sub").mkdir()
+    monkeypatch.chdir(tmp_path)
+    engine = sqlalchemy.create_engine(url)
+    with engine.connect() as c:
+        c.exec_driver_sql("create table t (x int)")
+    engine.dispose()
+    created = [f for f in tmp_path.rglob("*") if f.is_file()]
+    assert created == [sqlite_file(url)]

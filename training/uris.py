@@ -27,26 +27,30 @@ def shown(uri: str) -> str:
 
 
 def sqlite_file(url: str) -> Path | None:
-    """The file SQLite opens for a SQLAlchemy SQLite URL (a `file:` URI's path with `?uri=true`); None for any
-    other database, and for in-memory SQLite."""
+    """The file SQLite opens for a SQLAlchemy SQLite URL: the name SQLAlchemy hands SQLite (its own
+    `create_connect_args`), a `file:` URI's path when handed in URI mode; None for any other database, and for
+    in-memory SQLite."""
+    from sqlalchemy.dialects.sqlite.pysqlite import SQLiteDialect_pysqlite
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import ArgumentError
 
     try:
         u = make_url(url)
-    except (ArgumentError, ValueError):
-        return None
-    if u.get_backend_name() != "sqlite" or u.database in (None, "", ":memory:"):
-        return None
-    database = u.database
-    if str(u.query.get("uri", "")).lower() in ("true", "1") or database.startswith("file:"):
-        parts = urllib.parse.urlsplit(database)
-        if parts.scheme != "file" or parts.netloc not in ("", "localhost"):
-            return _opened(database)  # not a URI SQLite would parse: the literal name, as a file
-        if "memory" in (u.query.get("mode"), *urllib.parse.parse_qs(parts.query).get("mode", [])):
+        if u.get_backend_name() != "sqlite":
             return None
-        return _opened(urllib.parse.unquote(parts.path))  # the kernel resolves it: links first, then '..'
-    return _opened(os.path.abspath(database))  # SQLAlchemy hands SQLite abspath(name): '..' collapsed first
+        (name,), opts = SQLiteDialect_pysqlite().create_connect_args(u)
+    except (ArgumentError, ValueError, TypeError):
+        return None
+    if name in (None, "", ":memory:"):
+        return None
+    if not opts.get("uri") or not name.startswith("file:"):  # a name as it is (made absolute unless in URI mode)
+        return _opened(name)
+    parts = urllib.parse.urlsplit(name)
+    if parts.netloc not in ("", "localhost"):
+        return _opened(name)  # not a URI SQLite would parse: the literal name, as a file
+    if "memory" in urllib.parse.parse_qs(parts.query).get("mode", []):
+        return None
+    return _opened(urllib.parse.unquote(parts.path))  # the kernel resolves it: links first, then '..'
 
 
 def _opened(name: str) -> Path:
