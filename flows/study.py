@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import math
+import re
 import socket
 import threading
 import time
@@ -28,6 +29,7 @@ from .space import SweepError
 from .stack import STUDY_VARIABLE
 from .launchers import stem
 
+RUN_ID = re.compile(r"[0-9a-f]{32}")  # an MLflow run id: never a path, a filter or a query
 HEARTBEAT_S = 10  # a RUNNING trial whose heartbeat is older than twice this is stale (Optuna)
 PRUNE_REFRESH_S = 30.0  # how old the pruner's copy of trials completed by another process may be
 
@@ -182,10 +184,28 @@ def summarize(study, parent: tracked.TrackedRun, metric: str) -> dict:
     if "complete" not in states:
         return {"best_run_id": None, "trials": states}
     best = study.best_trial
+    run_id = best.user_attrs.get("mlflow_run_id")
+    if not sweep_run(parent.client, run_id, study.study_name, best.number):
+        raise SweepError(f"sweep {study.study_name}: its best trial {best.number} names MLflow run "
+                         f"{str(run_id)[:64]!r}, which is not that trial's run in this tracking store; nothing "
+                         "registered. Sweep with the tracking store the study was made with, or start a new study")
     parent.log_metrics({f"best_{metric}": best.value})
     parent.log_params({f"best.{k}": v for k, v in best.params.items()} | {"best.trial": best.number})
     return {"best_trial": best.number, "best_value": best.value, "best_params": best.params,
-            "best_run_id": best.user_attrs.get("mlflow_run_id"), "trials": states}
+            "best_run_id": run_id, "trials": states}
+
+
+def sweep_run(client, run_id, study: str, trial: int | None = None) -> bool:
+    """Whether a run id read back from the study is this sweep's run (or its trial `trial`'s) in this store: an
+    MLflow run id tagged with the study's name (and the trial's number). Anyone who can write the study can write
+    its attributes; a deleted run, another store's, another study's or a value that is no run id is never used."""
+    if not isinstance(run_id, str) or not RUN_ID.fullmatch(run_id):
+        return False
+    try:
+        tags = client.get_run(run_id).data.tags
+    except Exception:  # noqa: BLE001 - no such run in this store
+        return False
+    return tags.get("sweep.study") == study and (trial is None or tags.get("sweep.trial") == str(trial))
 
 
 @contextmanager

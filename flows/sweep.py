@@ -30,7 +30,7 @@ from .checked import checked_flow
 from .params import SweepParams
 from .space import Distribution, SweepError, read_space
 from .study import (HEARTBEAT_S, Kept, best_so_far, counted, open_study, storage_url,
-                    plots_beside, study_name, summarize)
+                    plots_beside, study_name, summarize, sweep_run)
 from .trial import Slot, Slots, Trial, run_trial
 
 CONSECUTIVE_FAILURES = 3  # trials failing in a row stop the sweep: the next would fail the same way
@@ -69,7 +69,9 @@ def sweep(params: SweepParams) -> dict:
              shown(url))
     resume = study.user_attrs.get("mlflow_run_id")
     client = store.prepare_store(params.tracking_uri)
-    if resume and not run_exists(client, resume):
+    if resume and not sweep_run(client, resume, name):
+        log.warning("sweep %s: its study names MLflow run %r, which is not this sweep's run in %s (deleted, another "
+                    "store's or another study's); a new run", name, str(resume)[:64], shown(client.tracking_uri))
         resume = None
     with parent_run(params, name, {"sweep.study": name, "sweep.storage": shown(url)}, resume) as parent:
         study.set_user_attr("mlflow_run_id", parent.run_id)
@@ -88,14 +90,6 @@ def sweep(params: SweepParams) -> dict:
                 parent.client.set_tag(parent.run_id, f"sweep.{k}", str(summary.get(k)))
     log.info("sweep %s: %s", name, summary)
     return {"run_id": parent.run_id, "study": name, **summary}
-
-
-def run_exists(client, run_id: str) -> bool:
-    try:
-        client.get_run(run_id)
-        return True
-    except Exception:  # noqa: BLE001 - deleted, or another store: a new parent run
-        return False
 
 
 def run_trials(kept: Kept, space: dict[str, Distribution], params: SweepParams, slots: Slots, parent_id: str,

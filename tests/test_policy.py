@@ -267,3 +267,34 @@ def test_sqlite_file_names_the_file_sqlite_creates_for_the_url(tmp_path, monkeyp
     engine.dispose()
     created = [f for f in tmp_path.rglob("*") if f.is_file()]
     assert created == [sqlite_file(url)]
+
+
+def test_a_run_id_read_back_from_a_study_is_used_only_if_it_is_that_sweeps_run(tmp_path):
+    """Whoever can write a study can write its attributes: the best trial's run must be that trial's, in this store."""
+    import mlflow
+    import optuna
+
+    from gpuflow.flows.space import SweepError
+    from gpuflow.flows.study import summarize, sweep_run
+    from gpuflow.tasks.tracking import tracked
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = mlflow.MlflowClient(uri)
+    exp = client.create_experiment("e")
+    mine = client.create_run(exp, tags={"sweep.study": "s", "sweep.trial": "0"}).info.run_id
+    other = client.create_run(exp, tags={"sweep.study": "someone-else", "sweep.trial": "0"}).info.run_id
+    assert sweep_run(client, mine, "s", 0) and sweep_run(client, mine, "s")
+    for run_id, trial in ((mine, 1), (other, 0), ("0" * 32, 0), ("../../etc", 0), ({"a": 1}, 0), (None, None)):
+        assert not sweep_run(client, run_id, "s", trial)
+    study = optuna.create_study(study_name="s", direction="maximize")
+    trial = study.ask()
+    trial.set_user_attr("mlflow_run_id", other)  # a forged attribute
+    study.tell(trial, 0.5)
+    parent = tracked.TrackedRun(client, client.create_run(exp).info.run_id, exp, tmp_path)
+    with pytest.raises(SweepError, match=f"best trial 0 names MLflow run '{other}', which is not that trial's run"):
+        summarize(study, parent, "val_accuracy")
+    good = optuna.create_study(study_name="s", direction="maximize")
+    t = good.ask()
+    t.set_user_attr("mlflow_run_id", mine)
+    good.tell(t, 0.5)
+    assert summarize(good, parent, "val_accuracy")["best_run_id"] == mine
