@@ -164,3 +164,19 @@ def test_stopping_gpuflow_server_stops_the_prefect_server_it_started(tmp_path, s
                 p.kill()
             except psutil.Error:
                 pass
+
+
+def test_a_server_outlasting_the_stop_grace_goes_with_its_reaper(monkeypatch):
+    """stop_supervised's grace (gpuflow stack: 30 s) shorter than the reaper's own (GPUFLOW_STOP_GRACE_S): the server
+    that ignores SIGTERM is killed with its reaper, never left to init holding its port."""
+    from gpuflow.training.reaper import start_supervised, stop_supervised
+
+    monkeypatch.setenv("GPUFLOW_STOP_GRACE_S", "60")
+    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(300)"
+    proc = start_supervised([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    assert proc.stdout.readline() == "up\n"
+    server = psutil.Process(proc.pid).children()
+    assert len(server) == 1
+    stop_supervised([proc], grace_s=1)
+    _, alive = psutil.wait_procs(server, timeout=10)
+    assert not alive

@@ -52,7 +52,8 @@ def run_supervised(cmd: list[str], **popen) -> int:
 
 
 def stop_supervised(procs: list[subprocess.Popen], sig: int = signal.SIGTERM, grace_s: float = 30.0) -> None:
-    """Stop each (a reaper stops its server and all it started), killed if it outlasts the grace."""
+    """Stop each (a reaper stops its server and all it started), killed with all below it if it outlasts the grace
+    (a reaper whose own grace, GPUFLOW_STOP_GRACE_S, is longer would otherwise leave its server to init)."""
     for p in procs:
         if p.poll() is None:
             p.send_signal(sig)
@@ -60,8 +61,15 @@ def stop_supervised(procs: list[subprocess.Popen], sig: int = signal.SIGTERM, gr
         try:
             p.wait(grace_s)
         except subprocess.TimeoutExpired:
+            try:
+                below = psutil.Process(p.pid).children(recursive=True)
+            except psutil.Error:
+                below = []
             p.kill()
             p.wait()
+            for q in below:
+                with contextlib.suppress(psutil.Error):
+                    q.kill()
 
 
 def _below_me() -> list[psutil.Process]:
