@@ -12,9 +12,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
+from prefect import get_run_logger
+
 from gpuflow.tasks.tracking import tracked
 from gpuflow.training.contract import RunFolder
 
+from .calls import one_line
 from .launchers import Launch, Outcome
 from .rendezvous import NodeJob, rendezvous
 from .session import Session, current_name, plan_tags, run_tags, training_session
@@ -99,7 +102,10 @@ def job_run(s: Session, launcher, where: Placement, dataset: dict | None) -> Ite
         try:
             yield run
         finally:  # a user's script may rename it with its own start_run
-            run.client.set_tag(run.run_id, "mlflow.runName", name)
+            try:
+                run.client.set_tag(run.run_id, "mlflow.runName", name)
+            except Exception as e:  # noqa: BLE001 - never in place of the job's own error
+                get_run_logger().warning("the run's name %r was not set again: %s", name, one_line(e))
 
 
 def attach(s: Session, p, job: NodeJob) -> tracked.TrackedRun:

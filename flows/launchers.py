@@ -23,6 +23,7 @@ from gpuflow.tasks.launch import Rendezvous, TrainingFailed, launch_script, laun
 from gpuflow.tasks.tracking import results, tracked
 from gpuflow.training.contract import RunFolder
 
+from .calls import one_line
 from .params import PipelineParams, ScriptParams
 from .prepared import prepared, retry_unless_it_repeats, worker_config
 from .session import Session, unique_name
@@ -161,7 +162,11 @@ class Script:
             rank0 = how.rdzv is None or folder.process_group.is_file()  # rank 0 leaves it when the script ends
         except TrainingFailed:
             if how.rdzv is None:  # the failed script's files and logs are kept in the run too
-                collect_outputs(run, p.collect, launched, how.cwd)
+                try:
+                    collect_outputs(run, p.collect, launched, how.cwd)
+                except Exception as e:  # noqa: BLE001 - the script's own failure is what the run ends with
+                    get_run_logger().warning("the failed script's files were not all kept in the run: %s",
+                                             one_line(e))
             raise
         except Stopped:
             return Outcome(stopped=True)
@@ -196,9 +201,17 @@ def watching(run: tracked.TrackedRun, metric: str | None, report, interval: floa
     done, log = threading.Event(), get_run_logger()
 
     def poll() -> None:
-        seen, warned = 0, False
+        seen, warned, failing = 0, False, False
         while not done.wait(interval):
-            history = sorted(run.client.get_metric_history(run.run_id, metric), key=lambda m: (m.step, m.timestamp))
+            try:
+                history = sorted(run.client.get_metric_history(run.run_id, metric), key=lambda m: (m.step, m.timestamp))
+            except Exception as e:  # noqa: BLE001 - a store that fails a read: the next second's read may succeed
+                if not failing:
+                    log.warning("reading %s's %s from the tracking store failed (%s); trying again each second",
+                                run.run_id, metric, one_line(e))
+                failing = True
+                continue
+            failing = False
             for k, m in enumerate(history[seen:], start=seen):
                 report(k, {metric: m.value})
             seen = len(history)

@@ -172,7 +172,8 @@ def test_a_server_outlasting_the_stop_grace_goes_with_its_reaper(monkeypatch):
     from gpuflow.training.reaper import start_supervised, stop_supervised
 
     monkeypatch.setenv("GPUFLOW_STOP_GRACE_S", "60")
-    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(300)"
+    code = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); "
+            "time.sleep(300)")
     proc = start_supervised([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
     assert proc.stdout.readline() == "up\n"
     server = psutil.Process(proc.pid).children()

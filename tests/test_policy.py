@@ -250,7 +250,6 @@ def test_a_file_reference_imports_the_file_the_door_checked(served, tmp_path, mo
     assert not (tmp_path / "unchecked-ran").exists()
 
 
-
 @pytest.mark.parametrize("url", ["sqlite:///plain.db", "sqlite:///sub/../up.db", "sqlite:///file:literal.db",
                                  "sqlite:///file:uri.db?uri=true", "sqlite:///file:ro.db?uri=true&mode=rwc",
                                  "sqlite:///named.db?uri=true&x=1", "sqlite:///file:a%20b.db?uri=true",

@@ -293,3 +293,53 @@ def test_a_node_log_line_that_lands_behind_lines_already_relayed_is_still_relaye
     assert relayed == ["[node-a] from the flow run", "[node-a] from the flow run, later",
                        "[node-a] from the worker, in between", "[node-a] a minute on"]
     assert len(seen) == 1  # what it remembers is the lines a read can still return, not the whole run
+
+
+# --- a failure beside a failure: the first one is what is said --------------------------------------
+
+
+def test_a_failed_scripts_error_is_not_replaced_by_a_failure_to_keep_its_files(monkeypatch):
+    from contextlib import nullcontext
+
+    from gpuflow.flows import launchers
+
+    warned: list = []
+    monkeypatch.setattr(launchers, "get_run_logger", lambda: SimpleNamespace(warning=lambda *a: warned.append(a)))
+
+    def raises(error):
+        def f(*args):
+            raise error
+        return f
+
+    monkeypatch.setattr(launchers, "launch_script", raises(TrainingFailed("rank 0 failed")))
+    monkeypatch.setattr(launchers, "collect_outputs", raises(OSError("disk full")))
+    run = SimpleNamespace(relaying_metrics=nullcontext)
+    script = launchers.Script(SimpleNamespace(script="train.py", collect=[]))
+    with pytest.raises(TrainingFailed, match="rank 0 failed"):
+        script.launch(SimpleNamespace(plan=None, cards=None), run, None, launchers.Launch(log_params=False))
+    assert "disk full" in str(warned)
+
+
+def test_a_script_trials_metric_watch_goes_on_after_a_failed_read(monkeypatch):
+    """One failed read of the store once ended the watch: the trial was then never pruned."""
+    import time
+
+    from gpuflow.flows import launchers
+
+    warned: list = []
+    monkeypatch.setattr(launchers, "get_run_logger", lambda: SimpleNamespace(warning=lambda *a: warned.append(a)))
+    reads = itertools.count()
+
+    def history(run_id, metric):
+        if next(reads) == 0:
+            raise ConnectionError("the store went away")
+        return [SimpleNamespace(step=0, timestamp=1, value=0.5)]
+
+    run = SimpleNamespace(client=SimpleNamespace(get_metric_history=history), run_id="r")
+    got: list = []
+    with launchers.watching(run, "val_accuracy", lambda k, m: got.append((k, m)), interval=0.05):
+        deadline = time.monotonic() + 30
+        while not got and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert got == [(0, {"val_accuracy": 0.5})]
+    assert len(warned) == 1 and "the store went away" in str(warned)

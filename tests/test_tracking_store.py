@@ -55,7 +55,6 @@ def test_a_run_whose_start_fails_is_marked_failed_not_left_running(tmp_path):
     assert [r.info.status for r in _runs(uri, "half")] == ["FAILED"]
 
 
-
 def test_a_run_is_ended_even_when_its_error_tag_cannot_be_written(tmp_path, monkeypatch):
     """Left RUNNING and active, it would end FINISHED at exit and block the next run on the thread; and the
     training's error is what is raised."""
@@ -72,6 +71,7 @@ def test_a_run_is_ended_even_when_its_error_tag_cannot_be_written(tmp_path, monk
             raise ValueError("boom in training")
     assert mlflow.active_run() is None
     assert [r.info.status for r in _runs(uri, "tagless")] == ["FAILED"]
+
 
 def test_relay_logs_complete_lines_live_and_the_rest_when_it_stops(tmp_path):
     uri = _uri(tmp_path)
