@@ -122,19 +122,22 @@ def publish_study_storage(api: str, url: str, credentials: Credentials) -> None:
 
 
 def wait_for_servers(checks: dict[str, tuple[str, str]], procs: list[subprocess.Popen], stop: dict,
-                     credentials_file: Path) -> None:
-    """Until each server answers an authenticated request (health checks need none, so prove nothing)."""
+                     credentials_file: Path) -> bool:
+    """Until each server answers an authenticated request (health checks need none, so prove nothing); False if
+    the stack was stopped (SIGTERM) meanwhile."""
     deadline = time.monotonic() + READY_S
     while True:
         codes = {name: http_status(url, auth, timeout=5) for name, (url, auth) in checks.items()}
         if all(code == 200 for code in codes.values()):
-            return
+            return True
         refused = [name for name, code in codes.items() if code in (401, 403)]
         if refused:
             raise UserError(f"{refused[0]} refused the credentials in {credentials_file}: put back the file the "
                             "stack made at its first start (MLflow keeps the admin password it was first given, "
                             "in the database mlflow_auth)")
-        if any(p.poll() is not None for p in procs) or time.monotonic() > deadline or stop["signal"]:
+        if stop["signal"]:  # stopped while starting: no failure of the servers'
+            return False
+        if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
             raise UserError("a server of the stack did not start; see its output above")
         time.sleep(0.5)
 
@@ -182,9 +185,10 @@ def serve_stack(s: StackService) -> int:
                                        *(["--allowed-hosts", s.allowed_hosts] if s.allowed_hosts else [])],
                                       env=mlflow_env(data, url, credentials), pass_fds=(lock,)))
         api, ui = f"http://{s.host}:{s.prefect_port}/api", f"http://{s.host}:{s.mlflow_port}"
-        wait_for_servers({"Prefect": (api + "/admin/version", credentials.prefect_header()),
-                          "MLflow": (ui + "/api/2.0/mlflow/experiments/search?max_results=1",
-                                     credentials.mlflow_header())}, procs, stop, data / CREDENTIALS_FILE)
+        if not wait_for_servers({"Prefect": (api + "/admin/version", credentials.prefect_header()),
+                                 "MLflow": (ui + "/api/2.0/mlflow/experiments/search?max_results=1",
+                                            credentials.mlflow_header())}, procs, stop, data / CREDENTIALS_FILE):
+            return 0
         publish_study_storage(api, database(url, "optuna", "psycopg"), credentials)
         announce(data, credentials, made, api, ui)
         while not stop["signal"] and all(p.poll() is None for p in procs):

@@ -60,12 +60,17 @@ class Stack:
         self.ui = f"http://127.0.0.1:{self.ports[1]}"
         self.proc: subprocess.Popen | None = None
 
-    def start(self) -> None:
+    def launch(self) -> int:
+        """Start `gpuflow stack`; where its output starts in the log."""
         log = open(self.data.parent / "stack.log", "a")
         earlier = log.tell()  # the output of this start alone: an earlier start said "ready" too
         self.proc = subprocess.Popen([str(BIN / "gpuflow"), "stack", "--data", str(self.data), "--prefect-port",
                                       str(self.ports[0]), "--mlflow-port", str(self.ports[1])], env=child_env(),
                                      stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        return earlier
+
+    def start(self) -> None:
+        earlier = self.launch()
         deadline = time.monotonic() + 240
         while "ready" not in self.output(earlier).split("gpuflow stack:")[-1]:
             assert self.proc.poll() is None, self.output(earlier)[-3000:]
@@ -363,6 +368,31 @@ def test_kill_9_of_the_stack_leaves_no_postgresql_and_the_next_start_just_starts
         _wait_until_free(s.data / "stack.lock")
         s.start()
         assert s.answers() == {"prefect": 200, "mlflow": 200}
+    finally:
+        s.stop()
+        subprocess.run(["pkill", "-f", f"postgres -D {s.data}"], capture_output=True)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_stack_stopped_while_it_starts_ends_quietly_and_leaves_no_postgresql():
+    if why := _postgres_usable():
+        pytest.skip(why)
+    base = Path(tempfile.mkdtemp(prefix="gpuflow-stack-early-"))
+    base.chmod(0o755)
+    s = Stack(base / "data")
+    try:
+        s.launch()
+        deadline = time.monotonic() + 120
+        while not _pids_of(s.data):  # its PostgreSQL runs: the servers are yet to start and answer
+            assert s.proc.poll() is None and time.monotonic() < deadline, s.output()[-3000:]
+            time.sleep(0.2)
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(180) == 0, s.output()[-3000:]
+        assert "ready" not in s.output() and "did not start" not in s.output(), s.output()[-3000:]
+        deadline = time.monotonic() + 60
+        while _pids_of(s.data):
+            assert time.monotonic() < deadline, "the stopped stack's PostgreSQL is still running"
+            time.sleep(0.5)
     finally:
         s.stop()
         subprocess.run(["pkill", "-f", f"postgres -D {s.data}"], capture_output=True)
