@@ -132,3 +132,28 @@ def test_the_evaluation_child_writes_its_report_then_leaves_without_the_interpre
         assert report[0]["samples"] > 0 and report[0]["model"] == "mlp", report
     else:
         assert "is corrupt or truncated" in report["error"], report
+
+
+def _evaluated(checkpoints: list[Path], tmp_path: Path, *args: str) -> list[dict]:
+    out = subprocess.run([sys.executable, "-m", "gpuflow.training.evaluate", "--checkpoint", *map(str, checkpoints),
+                          "--result", str(tmp_path / "report.json"), "--device", "cpu", *args],
+                         cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads((tmp_path / "report.json").read_text())
+
+
+def test_versions_compared_are_evaluated_on_the_same_samples_and_an_override_is_never_the_old_prepared_copy(
+        files, tmp_path):
+    """A champion trained on a prepared copy of its data (data_cache) was scored on that copy while the challenger
+    was scored on its own data: the retrain and the sweep promoted on two different held-out sets."""
+    cache = tmp_path / "old-data.pt"
+    torch.save({"x": torch.randn(50, 1, 28, 28), "y": torch.randint(0, 10, (50,)), "num_classes": 10}, cache)
+    payload = torch.load(files["good"], weights_only=True)
+    payload["config"]["data_cache"] = str(cache)
+    champion = tmp_path / "champion.pt"
+    torch.save(payload, champion)
+    alone, cached = _evaluated([files["good"]], tmp_path)[0], _evaluated([champion], tmp_path)[0]
+    assert (alone["samples"], cached["samples"]) == (13, 10)  # 64 and 50 samples, a fifth held out
+    assert _evaluated([champion], tmp_path, "--dataset", "synthetic")[0]["samples"] == 13
+    challenger, champ = _evaluated([files["good"], champion], tmp_path)
+    assert champ["samples"] == challenger["samples"] == 13

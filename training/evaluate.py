@@ -66,8 +66,13 @@ def _config(payload: dict, checkpoint: str, **overrides) -> TrainConfig:
                               "which names no dataset to evaluate on; use `gpuflow infer` on it")
     if "config" not in payload or "model" not in payload:
         raise CheckpointError(f"checkpoint {checkpoint!r} lacks its config; it was not written by gpuflow")
-    return TrainConfig(**{**payload["config"], **{k: v for k, v in overrides.items() if v is not None},
-                          "strategy": "single", "device_ids": None, "resume": "never"})
+    given = {k: v for k, v in overrides.items() if v is not None}
+    if given.keys() & {"dataset", "data_root"}:  # other data: never the prepared copy this checkpoint trained on
+        given["data_cache"] = overrides.get("data_cache")
+    return TrainConfig(**{**payload["config"], **given, "strategy": "single", "device_ids": None, "resume": "never"})
+
+
+SAME_DATA = ("dataset", "data_root", "data_cache", "val_fraction", "split_seed")  # which samples a split holds
 
 
 def _model(payload: dict, checkpoint: str, dev: torch.device, *build):
@@ -151,7 +156,10 @@ def _where(dev: torch.device) -> dict:
             "device_name": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu"}
 
 
-def evaluate(checkpoint: str, split: str = "val", device: str = "auto", batch_size: int = 512, **overrides) -> dict:
+def evaluate(checkpoint: str, split: str = "val", device: str = "auto", batch_size: int = 512,
+             **overrides) -> tuple[dict, TrainConfig]:
+    """The checkpoint's loss and metrics on a split of its data (or of the data `overrides` name); and the config
+    it was evaluated with."""
     payload = _vetted(load_file(checkpoint), checkpoint)
     cfg = _config(payload, checkpoint, **overrides)
     bundle = load_data(cfg, fingerprint=False)
@@ -175,7 +183,7 @@ def evaluate(checkpoint: str, split: str = "val", device: str = "auto", batch_si
         found = objective.epoch_metrics(concat(totals.outputs), concat(totals.targets))
         metrics.update({k: float(v) for k, v in found.items()})
     return {**metrics, "samples": totals.counts["loss"], "split": split, "model": cfg.model, "dataset": cfg.dataset,
-            "objective": cfg.objective, "monitor": objective.monitor, "mode": objective.mode, **_where(dev)}
+            "objective": cfg.objective, "monitor": objective.monitor, "mode": objective.mode, **_where(dev)}, cfg
 
 
 @torch.no_grad()
@@ -253,8 +261,13 @@ def main(argv=None) -> int:
         hold_card_locks()  # before the card is touched: no new run gets it until this process is gone
         if a.inputs and len(a.checkpoint) > 1:
             raise UserError("--inputs: give one --checkpoint")
-        res = ([predict(a.checkpoint[0], a.inputs, a.device)] if a.inputs else
-               [evaluate(ck, a.split, a.device, dataset=a.dataset, data_root=a.data_root) for ck in a.checkpoint])
+        res, same = [], {"dataset": a.dataset, "data_root": a.data_root}
+        for ck in a.checkpoint if not a.inputs else []:  # each on the first one's samples: compared on the same data
+            report, cfg = evaluate(ck, a.split, a.device, **same)
+            res.append(report)
+            same = {k: getattr(cfg, k) for k in SAME_DATA}
+        if a.inputs:
+            res = [predict(a.checkpoint[0], a.inputs, a.device)]
     except UserError as e:  # the result file carries it to the parent, which prints it once
         write_json_atomic(a.result, {"error": str(e)})
         if sys.stderr.isatty():
