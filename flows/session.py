@@ -65,8 +65,8 @@ def training_session(params, slot: bool = True) -> Iterator[Session]:
         with timer("assign"):
             plan = assign_devices(report, params, getattr(params, "batch_size", None),
                                   getattr(params, "precision", None))  # a script's params have neither
-        for warning in plan.warnings:  # a card shared with another program trains slower, or runs out of memory
-            get_run_logger().warning("%s", warning)
+        for warning in [*report.warnings, *plan.warnings]:  # what the probe doubts; a card shared with another
+            get_run_logger().warning("%s", warning)  # program trains slower, or runs out of memory
         with card_locks(plan) as locks:
             yield Session(report, plan, locks.fds, timer)
 

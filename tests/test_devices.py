@@ -65,6 +65,8 @@ PLANS = [  # (host, request, batch, precision, expected plan fields)
      dict(cpu_processes=1, cpu_cores=1), 64, "fp32", dict(strategy="single", nproc_per_node=1, cpu_threads=1)),
     ("2 processes on a slot of 2 cores of 16", host(0, cpus=16), dict(cpu_processes=2, cpu_cores=2), 64, "fp32",
      dict(strategy="ddp", nproc_per_node=2, cpu_threads=1)),
+    ("an inherited CUDA_VISIBLE_DEVICES repeating a card: CUDA stops there", host(4, cvd="2,2,3"), dict(), 64, "fp32",
+     dict(strategy="single", physical_ids=[2])),
 ]
 
 
@@ -105,6 +107,8 @@ ERRORS = [  # (host, request, batch, precision, locked, exact message fragment)
      "physical GPU 1 is in use by another gpuflow run"),
     ("too little free memory", FOUR, dict(gpus="3,", min_free_mb=79_000), 64, "fp32", set(),
      "physical GPU 3 has 77000 MiB free, below min_free_mb=79000"),
+    ("a MIG instance inherited", host(1, cvd="MIG-4f9b7c1e-aaaa-bbbb-cccc-0123456789ab"), dict(), 64, "fp32", set(),
+     "names the MIG instance MIG-4f9b7c1e-aaaa-bbbb-cccc-0123456789ab; gpuflow assigns whole GPUs"),
 ]
 
 
@@ -293,3 +297,12 @@ def test_flow_probe_without_gpus_leaves_torch_unimported():
                          cwd=ROOT, check=True).stdout.split()
     if not read_environment(with_torch=False).gpus:  # with GPUs torch's view comes from a child
         assert out == [torch.__version__.split("+")[0], "False"]
+
+
+
+def test_the_cpus_counted_are_the_ones_this_process_may_use():
+    """A cpuset, Slurm or taskset gives a process fewer cores than the host has: plans count those."""
+    code = ("import os; os.sched_setaffinity(0, {0}); from gpuflow.tasks.devices.probe import usable_cpus, "
+            "read_environment; print(usable_cpus(), read_environment(with_torch=False).cpu_count)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.stdout.split() == ["1", "1"], out.stderr[-2000:]

@@ -15,7 +15,7 @@ from gpuflow.training.config import FP16_NEEDS_CUDA, batch_split
 from gpuflow.training.errors import UserError
 
 from .cards import CardLocks
-from .probe import EnvironmentReport, GpuInfo
+from .probe import EnvironmentReport, GpuInfo, mig_entry, usable_cpus
 
 if TYPE_CHECKING:  # the request: the flows' parameters
     from gpuflow.flows.params import Devices
@@ -62,10 +62,10 @@ def explicit_ids(gpus: str) -> list[int] | None:
 
 def check_host(params) -> None:
     """Refuse values this host's CPUs or memory cannot meet; called where the job runs, as validation may not be."""
-    cores = os.cpu_count() or 1
+    cores = usable_cpus()
     for name in ("cpu_processes", "cpu_cores", "num_workers"):
         if (value := getattr(params, name, 0)) > cores:
-            raise AssignmentError(f"{name}={value} is more than the {cores} CPUs of this host; "
+            raise AssignmentError(f"{name}={value} is more than the {cores} CPUs this process may use here; "
                                   f"use at most {cores} (0 = auto)")
     if getattr(params, "dataset", None) == "synthetic":
         need = params.synthetic_size * params.synthetic_side ** 2 * 4  # float32, one channel, per process
@@ -170,6 +170,10 @@ def assign_devices_for(report: EnvironmentReport, req: Devices, batch_size: int 
                        precision: str = "fp32", locked: set[int] = frozenset()) -> DevicePlan:
     """Pure assignment: validate everything that can be checked before launch."""
     check_host(req)
+    if req.gpus != "cpu" and (mig := mig_entry(report.cuda_visible_devices)):
+        raise AssignmentError(f"the inherited CUDA_VISIBLE_DEVICES names the MIG instance {mig}; gpuflow assigns "
+                              "whole GPUs, so it would see none here: run it where whole cards are visible, or "
+                              "use gpus=cpu")
     no_gpu = not report.visible_physical_ids()
     if req.gpus == "cpu" or (req.gpus == "auto" and no_gpu):
         plan = _cpu_plan(report, req)

@@ -72,10 +72,23 @@ def parse_visible(cvd: str | None, gpus: list[GpuInfo]) -> list[int]:
     out: list[int] = []
     for tok in filter(None, (t.strip() for t in cvd.split(","))):
         idx = int(tok) if tok.isdigit() else next((g.index for g in gpus if g.uuid.startswith(tok)), None)
-        if idx not in ids:
-            break  # CUDA stops at the first invalid entry
+        if idx not in ids or idx in out:
+            break  # CUDA stops at the first invalid (or repeated) entry
         out.append(idx)
     return out
+
+
+def mig_entry(cvd: str | None) -> str | None:
+    """The first MIG instance a CUDA_VISIBLE_DEVICES value names (gpuflow assigns whole cards), if any."""
+    return next((t.strip() for t in (cvd or "").split(",") if t.strip().startswith("MIG-")), None)
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity: a cpuset, Slurm, taskset), not all of the host's."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
 
 
 def _text(v) -> str:
@@ -215,7 +228,7 @@ def read_environment(nvml=None, with_torch: bool = True, import_torch: bool = Tr
     if "error" in tv:
         warnings.append(f"torch probe failed: {tv['error']}")
     report = EnvironmentReport(
-        hostname=socket.gethostname(), cpu_count=os.cpu_count() or 1, source=source, gpus=gpus,
+        hostname=socket.gethostname(), cpu_count=usable_cpus(), source=source, gpus=gpus,
         driver_version=driver, cuda_version=tv.get("cuda_version") or cuda_driver,
         cudnn_version=tv.get("cudnn_version"), nccl_version=tv.get("nccl_version"),
         torch_version=tv.get("torch_version"), torch_device_count=tv.get("torch_device_count"),
