@@ -3,7 +3,7 @@ PY      := .venv/bin/python
 VENV_OK := .venv/.installed
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 # Addresses are gpuflow settings (127.0.0.1:4200 for Prefect, :5000 for MLflow); change them
-# with GPUFLOW_PREFECT_HOST / _PORT and GPUFLOW_MLFLOW_HOST / _PORT (gpuflow/flows/settings.py).
+# with GPUFLOW_PREFECT_HOST / _PORT and GPUFLOW_MLFLOW_HOST / _PORT (flows/settings.py).
 
 .PHONY: run test test-fast probe server serve ui bench clean
 

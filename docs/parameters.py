@@ -62,7 +62,7 @@ def render() -> str:
     out = ["# Parameters", "",
            "Generated from the parameter models by `docs/parameters.py`; do not edit by hand. A flow's",
            "parameter is its option's name with `_` for `-` (`--num-workers` is `-p num_workers=...`).",
-           "The services' settings are also read from `GPUFLOW_<NAME>` variables.", ""]
+           "The settings of `gpuflow server`, `serve` and `ui` are also read from `GPUFLOW_<NAME>` variables.", ""]
     for heading, what, model, base in SECTIONS:
         fields = {n: f for n, f in model.model_fields.items() if base is None or n not in base.model_fields}
         out += [f"## {heading}", "", f"{what[0].upper()}{what[1:]}.", "",

@@ -77,8 +77,9 @@ def parser(script: bool = False) -> argparse.ArgumentParser:
     probe = sub.add_parser("probe", help="print GPUs, driver/CUDA/NCCL versions and backends")
     probe.add_argument("--json", action="store_true", help="machine-readable output")
     for name, what in SERVICES.items():
-        add_model(sub.add_parser(name, help=what + " (settings: options, or GPUFLOW_<NAME> variables)", **kw),
-                  {"node": NodeService, "stack": StackService}.get(name, Settings))
+        model = {"node": NodeService, "stack": StackService}.get(name, Settings)
+        add_model(sub.add_parser(name, help=what + (" (settings: options, or GPUFLOW_<NAME> variables)"
+                                                    if model is Settings else ""), **kw), model)
     return top
 
 

@@ -42,6 +42,21 @@ def check_tracking_uri(v: str | None) -> str:
     return v
 
 
+def check_storage(v: str | None) -> str | None:
+    """A study's SQLAlchemy URL, as SQLAlchemy parses it (nothing connected)."""
+    if v is None:
+        return v
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        make_url(v)
+    except (ArgumentError, ValueError):
+        raise ValueError("not a SQLAlchemy database URL; use e.g. sqlite:///<path>/optuna.db or "
+                         "postgresql+psycopg://user@host/db") from None
+    return v
+
+
 def check_version(v: str | int) -> str:
     """A version number (1 or "1": the Prefect form and `-p version=1` send a number) or 'champion'."""
     v = str(v)

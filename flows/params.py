@@ -15,7 +15,7 @@ from gpuflow.training.config import DistTimeout, TrainConfig, Training, absolute
 from gpuflow.training.policy import check_not_tracking_store
 
 from .fields import (NO_SUCH_FILE, SCRIPT, Collect, InputFile, Name, OneDevice, RegisteredModel, ScriptArgs,
-                     ScriptFile, TrackingUri, Version, check_endpoint, check_parallel)
+                     ScriptFile, TrackingUri, Version, check_endpoint, check_parallel, check_storage)
 from .space import SweepError, check_metric, check_script_space, check_space, read_space, script_arguments
 
 
@@ -110,7 +110,7 @@ class Tracking(BaseModel):
 
     experiment: Name = Field("gpuflow", description="MLflow experiment name")
     run_name: Name | None = Field(None, description="the MLflow and Prefect run name; unset, it is "
-                                  "<model>-<dataset>-<strategy>-x<world size>-<unique suffix>")
+                                  "<model>-<dataset>-<6 hex of the flow run id> (<script>-<id> for a script)")
     registered_model: RegisteredModel = "gpuflow-model"
     tracking_uri: TrackingUri = None
     runs_dir: str = Field("runs", description="folder for per-run configs, checkpoints and logs")
@@ -212,8 +212,9 @@ class Sweep(BaseModel):
     direction: Literal["auto", "minimize", "maximize"] = Field("auto", description="auto: the objective's mode")
     study: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$",
                               description="study name; the same name resumes it (default: sweep-<model>-<dataset>)")
-    storage: str | None = Field(None, description="SQLAlchemy URL of the study (default: optuna.db beside the "
-                                "SQLite tracking store, else in the working folder)")
+    storage: Annotated[str | None, AfterValidator(check_storage)] = Field(None, description="SQLAlchemy URL of the study (default: optuna.db beside the "
+                                "SQLite tracking store, else the team stack's study database, else in the "
+                                "working folder)")
     sampler_seed: int | None = Field(None, ge=0, description="seed of the TPE sampler")
 
 

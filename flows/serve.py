@@ -31,7 +31,7 @@ from .train import train_pipeline
 
 def deployments(settings: Settings | None = None) -> list:
     settings = settings or Settings()
-    cron, tz = settings.retrain_cron, settings.timezone
+    nightly = nightly_schedule(settings.retrain_cron, settings.timezone)
     # Module entrypoints (flows.train.train_pipeline): the flows use package-relative imports.
     common = dict(tags=["gpuflow"], entrypoint_type=EntrypointType.MODULE_PATH)
     return [
@@ -39,7 +39,7 @@ def deployments(settings: Settings | None = None) -> list:
                                      description="One process per device (DDP; gloo on CPU)."),
         train_pipeline.to_deployment(name="dp", parameters={"strategy": "dp"}, **common,
                                      description="nn.DataParallel over the chosen GPUs (needs GPUs)."),
-        retrain.to_deployment(name="nightly", schedules=[Cron(cron, timezone=tz)], **common,
+        retrain.to_deployment(name="nightly", schedules=[nightly], **common,
                               description="Train a challenger; move 'champion' only if better."),
         evaluate_model.to_deployment(name="evaluate", **common,
                                      description="Loss and metrics of a registered version on one device."),
@@ -48,6 +48,19 @@ def deployments(settings: Settings | None = None) -> list:
         sweep.to_deployment(name="default", **common,
                             description="An Optuna search over a run's parameters (-p space=sweep.yaml -p trials=24)."),
     ]
+
+
+def nightly_schedule(cron: str, tz: str) -> Cron:
+    """The retrain/nightly schedule; UserError naming the setting when the cron or the time zone is not one."""
+    from zoneinfo import ZoneInfo
+
+    try:
+        ZoneInfo(tz)
+        return Cron(cron, timezone=tz)
+    except (ValueError, KeyError) as e:  # KeyError: ZoneInfoNotFoundError
+        raise UserError(f"retrain_cron={cron!r}, timezone={tz!r}: {e.args[0] if e.args else e}; give a five-field cron "
+                        "(e.g. '0 2 * * *') and an IANA time zone (e.g. Europe/Paris) with --retrain-cron and "
+                        "--timezone, or GPUFLOW_RETRAIN_CRON and GPUFLOW_TIMEZONE") from None
 
 
 def ensure_device_limit() -> str:
@@ -77,12 +90,13 @@ def main(settings: Settings | None = None) -> None:
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     settings = settings or Settings()
+    served = deployments(settings)  # a bad schedule refused before any server is asked
     hand_on(operator_policy(settings))  # the runs this process starts, and their children, apply it
     with temporary_settings(updates={PREFECT_API_URL: PREFECT_API_URL.value() or settings.prefect_api_url}):
         ensure_device_limit()
         interrupt_on_ctrl_c()
         # a deployment run starts within 2 s of being asked for, not Prefect's 10
-        serve(*deployments(settings), query_seconds=float(os.environ.get("PREFECT_RUNNER_POLL_FREQUENCY", 2)))
+        serve(*served, query_seconds=float(os.environ.get("PREFECT_RUNNER_POLL_FREQUENCY", 2)))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from gpuflow.flows import cli
 from gpuflow.flows.params import EvaluateParams, InferParams, PipelineParams
 from gpuflow.flows.settings import Settings, server_command, ui_command
 from gpuflow.tasks.devices.assign import AssignmentError, assign_devices_for
-from gpuflow.tasks.devices.probe import read_environment
+from gpuflow.tasks.devices.probe import read_environment, usable_cpus
 from gpuflow.tasks.tracking.results import NOT_COMPARED, OUTCOME_TAG
 from tests.helpers import ROOT
 
@@ -56,8 +56,8 @@ def test_bad_parameters_are_refused_in_one_line_naming_the_value(values, message
 # What the values ask of the host that runs them: checked in assignment, where the job runs (and by
 # the CLI before a server starts), not in validation, which may run on another machine.
 TOO_BIG_FOR_THIS_HOST = [
-    (dict(cpu_processes=(os.cpu_count() or 1) + 1), f"more than the {os.cpu_count()} CPUs of this host"),
-    (dict(num_workers=(os.cpu_count() or 1) * 4), f"more than the {os.cpu_count()} CPUs of this host"),
+    (dict(cpu_processes=usable_cpus() + 1), f"more than the {usable_cpus()} CPUs this process may use here"),
+    (dict(num_workers=usable_cpus() * 4), f"more than the {usable_cpus()} CPUs this process may use here"),
     (dict(dataset="synthetic", synthetic_size=10_000_000, synthetic_side=512), "lower synthetic_size"),
 ]
 
@@ -84,6 +84,18 @@ def test_evaluate_and_infer_refuse_bad_versions_and_missing_files(model, values,
         admit(validated(model, values), values)
     assert message in cli.one_line(e.value)
 
+
+
+@pytest.mark.parametrize("args, message", [
+    (["sweep", "--space", "s.yaml", "--storage", "notaurl"], "storage='notaurl': not a SQLAlchemy database URL"),
+    (["serve", "--retrain-cron", "bad"], "retrain_cron='bad', timezone='UTC': Invalid cron string"),
+    (["serve", "--timezone", "Mars/Base"], "No time zone found with key Mars/Base; give a five-field cron"),
+])
+def test_a_bad_storage_or_schedule_is_one_line_before_anything_starts(tmp_path, args, message):
+    (tmp_path / "s.yaml").write_text("lr: {type: float, low: 0.001, high: 0.1}\n")
+    out = _gpuflow(args, tmp_path, api="http://127.0.0.1:9/api", timeout=120)  # no server there: none is asked
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip().count("\n") == 0 and message in out.stderr, out.stderr[-2000:]
 
 def test_good_names_pass():
     p = PipelineParams(experiment="My experiment 2", registered_model="resnet.v2_final-1", run_name="try 3")

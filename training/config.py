@@ -114,8 +114,8 @@ class Training(BaseModel):
     resume: Annotated[str, Exists("checkpoint '{path}' does not exist; check the resume path (or use auto or never)",
                                   unless=("auto", "never"))] = Field(
         "auto", validate_default=True,
-        description="auto: continue from the latest checkpoint in checkpoint_dir; "
-        "never: start fresh; or a checkpoint file path",
+        description="auto: a restart of this run continues from its own newest checkpoint; never: start "
+        "fresh; or a checkpoint file to start from",
     )
     max_steps_per_epoch: int = Field(0, ge=0, le=100_000_000, description="cap on steps per epoch; 0 = no cap")
     keep_checkpoints: int = Field(2, ge=1, le=1_000_000, description="epoch checkpoints kept in the run's folder: "
