@@ -107,6 +107,8 @@ ERRORS = [  # (host, request, batch, precision, locked, exact message fragment)
      "physical GPU 1 is in use by another gpuflow run"),
     ("too little free memory", FOUR, dict(gpus="3,", min_free_mb=79_000), 64, "fp32", set(),
      "physical GPU 3 has 77000 MiB free, below min_free_mb=79000"),
+    ("bf16 with DataParallel over 2 cards", FOUR, dict(gpus="0,1", strategy="dp"), 64, "bf16", set(),
+     "precision 'bf16' with strategy 'dp' on 2 GPUs: nn.DataParallel's replicas run autocast in its default fp16"),
     ("a MIG instance inherited", host(1, cvd="MIG-4f9b7c1e-aaaa-bbbb-cccc-0123456789ab"), dict(), 64, "fp32", set(),
      "names the MIG instance MIG-4f9b7c1e-aaaa-bbbb-cccc-0123456789ab; gpuflow assigns whole GPUs"),
 ]

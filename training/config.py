@@ -106,7 +106,8 @@ class Training(BaseModel):
     optimizer: Literal["adam", "sgd"] = Field("adam", description="adam, or sgd with momentum")
     momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum")
     grad_clip: float = Field(0.0, ge=0, description="max grad norm; 0 disables clipping")
-    precision: Precision = Field("fp32", description="bf16/fp16: autocast mixed precision (fp16 needs CUDA)")
+    precision: Precision = Field("fp32", description="bf16/fp16: autocast mixed precision (fp16 needs CUDA; bf16 "
+                                 "with DataParallel on one GPU only: use ddp)")
     seed: int = Field(42, ge=0, le=MAX_SEED, description="seed of Python, NumPy and torch (every device)")
     deterministic: bool = Field(False, description="cudnn.deterministic + deterministic algorithms")
     cudnn_benchmark: bool = Field(False, description="let cuDNN pick the fastest kernels (off with deterministic)")

@@ -220,6 +220,10 @@ def _check_batch_and_precision(plan: DevicePlan, report: EnvironmentReport, batc
             raise AssignmentError(f"precision 'bf16' needs compute capability >= 8.0 but GPU "
                                   f"{old[0].index} ({old[0].name}) has {old[0].compute_capability}; "
                                   "use 'fp16' or 'fp32'")
+        if plan.strategy == "dp" and n > 1:  # torch/nn/parallel/parallel_apply.py: autocast(enabled=...) alone
+            raise AssignmentError(f"precision 'bf16' with strategy 'dp' on {n} GPUs: nn.DataParallel's replicas run "
+                                  "autocast in its default fp16 whatever the dtype, so they would train in fp16 "
+                                  "without a loss scaler; use strategy 'ddp' (one process per GPU), or 'fp16'")
 
 
 def one_device_plan(report: EnvironmentReport, request: Devices) -> DevicePlan:
