@@ -104,7 +104,8 @@ class Trainer:
         try:
             load_model_state(self.model, payload["model"], source=f"checkpoint {str(path)!r}")
             self.optimizer.load_state_dict(payload["optimizer"])
-            self.scaler.load_state_dict(payload["scaler"])
+            if payload["scaler"] and self.scaler.is_enabled():  # {} from a run without fp16: the scaler starts fresh
+                self.scaler.load_state_dict(payload["scaler"])
             set_rng_state(payload["rng"])
         except KeyError as e:
             raise CheckpointError(f"checkpoint {str(path)!r} lacks {e}; it was not written by gpuflow") from None
