@@ -58,8 +58,9 @@ class Slots:
             self.pool = named or visible
             # a run skips busy cards it picks itself, never cards the user named: the same here
             self.rule = Devices(skip_busy=params.skip_busy and not named, min_free_mb=params.min_free_mb)
-            capacity = len(self.pool) // self.per_trial
-            what = f"{len(self.pool)} GPUs ({params.gpus_per_trial} per trial)"
+            cards = int(params.gpus) if params.gpus.isdigit() else len(self.pool)  # a count: at most that many at once
+            capacity = cards // self.per_trial
+            what = f"{cards} GPUs ({params.gpus_per_trial} per trial)"
         else:
             capacity = report.cpu_count // self.per_trial
             what = f"{report.cpu_count} CPUs ({self.per_trial} process(es) per trial)"
