@@ -43,7 +43,7 @@ def place(launcher) -> dict:
     """The parent's part of a run with nodes > 1: one MLflow run, its nodes started and watched until all end, a
     lost machine (up to max_node_failures) replaced by a spare resuming from the last logged epoch; rank 0's result."""
     params, log = launcher.params, get_run_logger()
-    job = flow_run.get_id() or os.urandom(8).hex()
+    job = job_id()
     name = current_name(params.run_name, launcher.stem)
     lost: list[tuple[str, str]] = []  # (machine, why)
     resume = resumed = None
@@ -145,6 +145,15 @@ def ready_queues(pool: str, count: int, at_least: int, lost: list[tuple[str, str
     raise UserError(f"nodes={count} but node_pool {pool!r} has {len(ready)} machine(s) with a worker "
                     f"online ({', '.join(ready) or 'none'}); start `gpuflow node --pool {pool}` on more "
                     "machines, or lower nodes")
+
+
+def job_id() -> str:
+    """This attempt's id: the flow run's, and its attempt after a retry, whose nodes are new flow runs (their
+    idempotency keys and the rendezvous Variable are named by it), never the nodes of an earlier attempt."""
+    run_id = flow_run.get_id()
+    if run_id is None:
+        return os.urandom(8).hex()
+    return run_id if flow_run.run_count <= 1 else f"{run_id}-a{flow_run.run_count}"
 
 
 def start_node(params, job: NodeJob, flow_name: str):

@@ -353,3 +353,15 @@ def test_a_script_trials_metric_watch_goes_on_after_a_failed_read(monkeypatch):
             time.sleep(0.05)
     assert got == [(0, {"val_accuracy": 0.5})]
     assert len(warned) == 1 and "the store went away" in str(warned)
+
+
+def test_a_retried_placed_run_starts_new_nodes_not_the_earlier_attempts(monkeypatch):
+    from gpuflow.flows import nodes
+
+    run_id = str(uuid.uuid4())
+    monkeypatch.setattr(nodes, "flow_run", SimpleNamespace(get_id=lambda: run_id, run_count=1))
+    first = nodes.job_id()
+    monkeypatch.setattr(nodes, "flow_run", SimpleNamespace(get_id=lambda: run_id, run_count=2))
+    again = nodes.job_id()
+    assert first == run_id and again != first
+    nodes.NodeJob(id=again, index=0, name="a", run_id="0" * 32)  # still a valid job id
