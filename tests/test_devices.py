@@ -162,6 +162,17 @@ CHILD = ("import json, os, torch; print(json.dumps({'cvd': os.environ.get('CUDA_
          " 'order': os.environ.get('CUDA_DEVICE_ORDER'), 'count': torch.cuda.device_count()}))")
 
 
+
+def test_another_runs_look_at_the_free_cards_never_fails_an_acquire(tmp_path):
+    """held_elsewhere takes each card's lock for a moment: a run acquiring it then waits that moment out."""
+    import threading
+
+    plan = assign_devices_for(FOUR, PipelineParams(gpus="1,"), 64)
+    looking = CardLocks(tmp_path)
+    assert looking.try_lock("GPU-0001")
+    threading.Timer(0.5, looking.release).start()  # the look ends
+    CardLocks(tmp_path).acquire(plan)
+
 def test_child_process_receives_the_plan():
     plan = assign_devices_for(FOUR, PipelineParams(gpus="3,1", strategy="dp"), 64)
     out = subprocess.run([sys.executable, "-c", CHILD], env={**os.environ, **plan.env},

@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # assign.py imports this module
     from .probe import EnvironmentReport
 
 RANKS_WAIT_S = 30.0  # how long a run waits for the processes of an ended run to leave a card
+PROBE_HOLD_S = 2.0  # how long a card may be held by another run's look at which cards are free
 log = logging.getLogger(__name__)
 
 
@@ -139,9 +140,12 @@ class CardLocks:
     def acquire(self, plan: DevicePlan) -> None:
         deadline = time.monotonic() + self.ranks_wait_s
         for uuid, pid in zip(plan.uuids, plan.physical_ids, strict=True):
-            if not self.try_lock(uuid, deadline):
-                self.release()
-                raise CardLockError(f"physical GPU {pid} was just taken by another gpuflow run; retry")
+            looked_at = time.monotonic() + PROBE_HOLD_S  # another run's held_elsewhere holds a card that briefly
+            while not self.try_lock(uuid, deadline):
+                if time.monotonic() > looked_at:
+                    self.release()
+                    raise CardLockError(f"physical GPU {pid} was just taken by another gpuflow run; retry")
+                time.sleep(0.05)
 
     @property
     def fds(self) -> tuple[int, ...]:
