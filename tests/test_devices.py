@@ -162,7 +162,6 @@ CHILD = ("import json, os, torch; print(json.dumps({'cvd': os.environ.get('CUDA_
          " 'order': os.environ.get('CUDA_DEVICE_ORDER'), 'count': torch.cuda.device_count()}))")
 
 
-
 def test_another_runs_look_at_the_free_cards_never_fails_an_acquire(tmp_path):
     """held_elsewhere takes each card's lock for a moment: a run acquiring it then waits that moment out."""
     import threading
@@ -172,6 +171,7 @@ def test_another_runs_look_at_the_free_cards_never_fails_an_acquire(tmp_path):
     assert looking.try_lock("GPU-0001")
     threading.Timer(0.5, looking.release).start()  # the look ends
     CardLocks(tmp_path).acquire(plan)
+
 
 def test_child_process_receives_the_plan():
     plan = assign_devices_for(FOUR, PipelineParams(gpus="3,1", strategy="dp"), 64)
@@ -310,7 +310,6 @@ def test_flow_probe_without_gpus_leaves_torch_unimported():
                          cwd=ROOT, check=True).stdout.split()
     if not read_environment(with_torch=False).gpus:  # with GPUs torch's view comes from a child
         assert out == [torch.__version__.split("+")[0], "False"]
-
 
 
 def test_the_cpus_counted_are_the_ones_this_process_may_use():

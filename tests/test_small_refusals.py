@@ -244,7 +244,6 @@ def test_a_sweep_skips_busy_cards_as_a_run_does(tmp_path, monkeypatch):
     assert _slots(short, tmp_path, parallel="1", min_free_mb=1000).take().cards == (2,)
 
 
-
 def test_a_sweep_asked_for_a_count_of_gpus_uses_at_most_that_many_at_once(tmp_path, monkeypatch):
     from gpuflow.flows.space import SweepError
 
@@ -253,6 +252,7 @@ def test_a_sweep_asked_for_a_count_of_gpus_uses_at_most_that_many_at_once(tmp_pa
     assert slots.parallel == 2  # trials at once, a card each: 2 of the host's 4 cards at most
     with pytest.raises(SweepError, match="parallel=3 trials do not fit on 2 GPUs"):
         _slots(_gpu_host(busy=set()), tmp_path, gpus="2", parallel="3")
+
 
 def test_a_cpu_sweeps_trials_share_all_the_hosts_cores_however_few_run_at_a_time(tmp_path, monkeypatch):
     monkeypatch.setenv("GPUFLOW_LOCK_DIR", str(tmp_path / "locks"))

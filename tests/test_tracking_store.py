@@ -220,6 +220,7 @@ import mlflow
 from gpuflow.tasks.tracking import results, tracked
 from gpuflow.training.lifetime import exit_on_sigterm
 
+
 def saving(path, **kw):  # the slow step of registration, where the signal lands
     print("registering", flush=True)
     time.sleep(600)

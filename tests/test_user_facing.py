@@ -85,7 +85,6 @@ def test_evaluate_and_infer_refuse_bad_versions_and_missing_files(model, values,
     assert message in cli.one_line(e.value)
 
 
-
 @pytest.mark.parametrize("args, message", [
     (["sweep", "--space", "s.yaml", "--storage", "notaurl"], "storage='notaurl': not a SQLAlchemy database URL"),
     (["serve", "--retrain-cron", "bad"], "retrain_cron='bad', timezone='UTC': Invalid cron string"),
@@ -96,6 +95,7 @@ def test_a_bad_storage_or_schedule_is_one_line_before_anything_starts(tmp_path, 
     out = _gpuflow(args, tmp_path, api="http://127.0.0.1:9/api", timeout=120)  # no server there: none is asked
     assert out.returncode == 2, out.stderr[-2000:]
     assert out.stderr.strip().count("\n") == 0 and message in out.stderr, out.stderr[-2000:]
+
 
 def test_good_names_pass():
     p = PipelineParams(experiment="My experiment 2", registered_model="resnet.v2_final-1", run_name="try 3")
