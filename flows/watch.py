@@ -15,6 +15,7 @@ DONE = {"COMPLETED"}
 ENDED = {"FAILED", "CRASHED", "CANCELLED", "CANCELLING"}
 WAITING = {"SCHEDULED", "PENDING", "LATE", "AWAITINGRETRY", "PAUSED"}
 RDZV_TIMEOUT = "RendezvousTimeoutError"  # a peer gave up waiting: one still waiting to start is the cause (CI11)
+RDZV_WAITS = (RDZV_TIMEOUT, "published no rendezvous endpoint")  # a node that ended waiting for another
 # A node's lines reach the server in batches (Prefect's every 2 s) from two processes, its worker and its flow run, so
 # one may land before lines already relayed: each read goes back this far behind the newest line relayed.
 LATE_S = 30
@@ -68,7 +69,8 @@ def last_polls(client, runs: dict) -> dict:
 
 def node_failure(runs: dict, states: dict, silent: list[str]) -> tuple[str, str]:
     """One line naming the node whose failure the others followed: one whose machine went silent (its
-    run left open, its worker no longer polling), else the first to end; then the others' states."""
+    run left open, its worker no longer polling), else the first to end, unless it ended waiting for a node still
+    open at the rendezvous (that node is named); then the others' states."""
     if silent:
         m = silent[0]
         why = ("its machine stopped answering: its run never ended, its worker stopped polling and nobody "
@@ -76,6 +78,9 @@ def node_failure(runs: dict, states: dict, silent: list[str]) -> tuple[str, str]
     else:
         m = min((o for o, s in states.items() if s in ENDED), key=lambda o: runs[o].state.timestamp)
         why = (runs[m].state.message or states[m]).splitlines()[0]
+        waited_for = [o for o, s in states.items() if s not in ENDED | DONE]
+        if waited_for and any(w in (runs[m].state.message or "") for w in RDZV_WAITS):
+            m, why = waited_for[0], f"it never joined the rendezvous: node {m} gave up waiting for it ({why})"
     others = ", ".join(f"{o} {s.lower()}" for o, s in states.items() if o != m)
     return m, f"node {m} failed: {why} (other nodes: {others})"
 

@@ -182,6 +182,19 @@ def test_a_node_failing_alone_is_named_and_its_live_peer_is_cancelled(monkeypatc
     assert cluster.runs["node-b"].state.is_cancelled()
 
 
+
+def test_a_node_still_preparing_when_its_peer_gave_up_at_the_rendezvous_is_the_one_named(monkeypatch):
+    """Node 0 held up (its host's device slot, a download) past the rendezvous timeout: node 1, which waited for
+    it and ended first, was blamed and replaced while the slow machine was placed again."""
+    from prefect.states import Failed
+
+    gave_up = Failed(message="NodeFailed: node 0 published no rendezvous endpoint within 300 s")
+    cluster = Cluster({"node-b": gave_up})
+    lost = failure(monkeypatch, cluster)
+    assert lost.node == "node-a", str(lost)
+    assert str(lost).startswith("node node-a failed: it never joined the rendezvous: node node-b gave up waiting"), \
+        str(lost)
+
 # --- a truncated checkpoint ---------------------------------------------------------------------
 
 
