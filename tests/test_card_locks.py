@@ -211,6 +211,22 @@ def test_a_training_rank_takes_the_card_before_it_reads_its_config(tmp_path):
     assert rank.returncode == 2 and "none.json' does not exist" in err  # then it went on to its config
 
 
+def test_a_rank_of_a_users_script_holds_its_card_until_it_exits(tmp_path):
+    """docs/devices.md: every process on the card holds its lock, a script's ranks too, not only gpuflow's worker."""
+    locks = made_card_files(tmp_path)
+    (tmp_path / "train.py").write_text("print('training', flush=True)\nimport time\ntime.sleep(60)\n")
+    rank = subprocess.Popen([sys.executable, "-m", "gpuflow.training.runscript", str(tmp_path / "train.py")],
+                            env=child_env(**{CARD_LOCKS_ENV: str(locks.path(UUID, "ranks"))}), stdout=subprocess.PIPE,
+                            text=True, cwd=tmp_path)
+    try:
+        assert rank.stdout.readline().strip() == "training"
+        assert locks.held_elsewhere(one_gpu_host()) == {0}  # no run holds the card, but the script's rank uses it
+    finally:
+        rank.kill()
+        rank.wait()
+    assert CardLocks(tmp_path, ranks_wait_s=HANG_GUARD_S).held_elsewhere(one_gpu_host()) == set()
+
+
 RANK = textwrap.dedent("""
     import signal, sys, time
     from pathlib import Path

@@ -14,6 +14,7 @@ import traceback
 from pathlib import Path
 
 from . import contract
+from .cardlock import hold_card_locks
 from .compat import set_default_pg_timeout
 from .contract import ranks
 from .errors import NotDistributed
@@ -102,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     if contract.replay_finished():
         return 0
     script = str(Path(argv[0]).resolve())
+    hold_card_locks()  # before the script touches its card: no new run gets it until this rank is gone
     timeout = _set_dist_timeout()
     sys.argv = list(argv)
     sys.path[0] = str(Path(script).parent)  # as `python train.py`: its own folder first
