@@ -182,7 +182,6 @@ def test_a_node_failing_alone_is_named_and_its_live_peer_is_cancelled(monkeypatc
     assert cluster.runs["node-b"].state.is_cancelled()
 
 
-
 def test_a_node_still_preparing_when_its_peer_gave_up_at_the_rendezvous_is_the_one_named(monkeypatch):
     """Node 0 held up (its host's device slot, a download) past the rendezvous timeout: node 1, which waited for
     it and ended first, was blamed and replaced while the slow machine was placed again."""
