@@ -212,9 +212,9 @@ class Sweep(BaseModel):
     direction: Literal["auto", "minimize", "maximize"] = Field("auto", description="auto: the objective's mode")
     study: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$",
                               description="study name; the same name resumes it (default: sweep-<model>-<dataset>)")
-    storage: Annotated[str | None, AfterValidator(check_storage)] = Field(None, description="SQLAlchemy URL of the study (default: optuna.db beside the "
-                                "SQLite tracking store, else the team stack's study database, else in the "
-                                "working folder)")
+    storage: Annotated[str | None, AfterValidator(check_storage)] = Field(
+        None, description="SQLAlchemy URL of the study (default: optuna.db beside the SQLite tracking store, else "
+        "the team stack's study database, else in the working folder)")
     sampler_seed: int | None = Field(None, ge=0, description="seed of the TPE sampler")
 
 

@@ -17,6 +17,7 @@ from gpuflow.tasks.launch import Rendezvous, TrainingFailed
 from gpuflow.training.contract import NODE_ADDR_ENV, NODE_DIR_ENV
 
 POLL_S = 1.0
+NO_ENDPOINT = "published no rendezvous endpoint"  # how a node that waited for node 0 in vain ends
 
 
 class NodeJob(BaseModel):
@@ -86,7 +87,7 @@ def rendezvous(job: NodeJob, nodes: int, timeout_s: float) -> Rendezvous:
         deadline = time.monotonic() + timeout_s
         while (endpoint := Variable.get(key)) is None:
             if time.monotonic() > deadline:
-                raise NodeFailed(f"node 0 published no rendezvous endpoint within {timeout_s:g} s")
+                raise NodeFailed(f"node 0 {NO_ENDPOINT} within {timeout_s:g} s")
             time.sleep(POLL_S)
     return Rendezvous(endpoint=endpoint, id=job.id, nnodes=nodes, host=job.index == 0, local_addr=address,
                       interface=interface_of(address))

@@ -198,14 +198,17 @@ def summarize(study, parent: tracked.TrackedRun, metric: str) -> dict:
 def sweep_run(client, run_id, study: str, trial: int | None = None) -> bool:
     """Whether a run id read back from the study is this sweep's run (or its trial `trial`'s) in this store: an
     MLflow run id tagged with the study's name (and the trial's number). Anyone who can write the study can write
-    its attributes; a deleted run, another store's, another study's or a value that is no run id is never used."""
+    its attributes; a deleted run, another store's, another study's, a trial's named as the parent, or a value that
+    is no run id is never used."""
     if not isinstance(run_id, str) or not RUN_ID.fullmatch(run_id):
         return False
     try:
-        tags = client.get_run(run_id).data.tags
+        run = client.get_run(run_id)
     except Exception:  # noqa: BLE001 - no such run in this store
         return False
-    return tags.get("sweep.study") == study and (trial is None or tags.get("sweep.trial") == str(trial))
+    tags = run.data.tags
+    return (run.info.lifecycle_stage == "active" and tags.get("sweep.study") == study
+            and tags.get("sweep.trial") == (None if trial is None else str(trial)))
 
 
 @contextmanager

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpuflow.tasks.devices.assign import assign_devices_for, why_not
+from gpuflow.tasks.devices.assign import assign_devices_for, check_inherited, why_not
 from gpuflow.tasks.devices.cards import CardLocks
 from gpuflow.tasks.devices.probe import EnvironmentReport, probe_environment
 from gpuflow.tasks.child import Stopped
@@ -47,6 +47,7 @@ class Slots:
     is never given: the sweep waits."""
 
     def __init__(self, params: SweepParams, report: EnvironmentReport, probe=probe_environment):
+        check_inherited(report, params.gpus)
         if params.gpus not in ("auto", "cpu"):  # refused as `gpuflow run` would; busy ones are waited for
             assign_devices_for(report, Devices(gpus=params.gpus, skip_busy=False), batch_size=None)
         self.probe = probe

@@ -8,14 +8,13 @@ from datetime import timedelta
 
 from prefect import get_run_logger
 
-from .rendezvous import POLL_S, WOULD_REPEAT, NodeFailed
+from .rendezvous import NO_ENDPOINT, POLL_S, WOULD_REPEAT, NodeFailed
 
 CANCEL_GRACE_S = 10.0  # a node's machine answers a cancellation within it, or is taken for gone
 DONE = {"COMPLETED"}
 ENDED = {"FAILED", "CRASHED", "CANCELLED", "CANCELLING"}
 WAITING = {"SCHEDULED", "PENDING", "LATE", "AWAITINGRETRY", "PAUSED"}
 RDZV_TIMEOUT = "RendezvousTimeoutError"  # a peer gave up waiting: one still waiting to start is the cause (CI11)
-RDZV_WAITS = (RDZV_TIMEOUT, "published no rendezvous endpoint")  # a node that ended waiting for another
 # A node's lines reach the server in batches (Prefect's every 2 s) from two processes, its worker and its flow run, so
 # one may land before lines already relayed: each read goes back this far behind the newest line relayed.
 LATE_S = 30
@@ -78,8 +77,9 @@ def node_failure(runs: dict, states: dict, silent: list[str]) -> tuple[str, str]
     else:
         m = min((o for o, s in states.items() if s in ENDED), key=lambda o: runs[o].state.timestamp)
         why = (runs[m].state.message or states[m]).splitlines()[0]
-        waited_for = [o for o, s in states.items() if s not in ENDED | DONE]
-        if waited_for and any(w in (runs[m].state.message or "") for w in RDZV_WAITS):
+        waited_for = [o for o, s in states.items() if s not in ENDED | DONE]  # node 0 first
+        said = runs[m].state.message or ""
+        if waited_for and (NO_ENDPOINT in said or RDZV_TIMEOUT in said and len(waited_for) == 1):
             m, why = waited_for[0], f"it never joined the rendezvous: node {m} gave up waiting for it ({why})"
     others = ", ".join(f"{o} {s.lower()}" for o, s in states.items() if o != m)
     return m, f"node {m} failed: {why} (other nodes: {others})"

@@ -110,8 +110,13 @@ def run_child(cmd: list[str], env: dict, cwd: Path, log: logging.Logger | loggin
     out = open(log_file, "a") if log_file is not None else None
     q: queue.Queue = queue.Queue()
     # bytes that are not UTF-8 (a C library's message, a Latin-1 file name) are shown escaped, never end the reading
-    proc = start_supervised(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            errors="backslashreplace", bufsize=1, start_new_session=True, pass_fds=hold_fds)
+    try:
+        proc = start_supervised(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                errors="backslashreplace", bufsize=1, start_new_session=True, pass_fds=hold_fds)
+    except BaseException:
+        if out is not None:
+            out.close()
+        raise
     try:
         for s, n in ((proc.stdout, "stdout"), (proc.stderr, "stderr")):
             threading.Thread(target=_pump, args=(s, n, q), daemon=True).start()

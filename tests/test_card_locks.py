@@ -225,6 +225,11 @@ def test_a_rank_of_a_users_script_holds_its_card_until_it_exits(tmp_path):
         rank.kill()
         rank.wait()
     assert CardLocks(tmp_path, ranks_wait_s=HANG_GUARD_S).held_elsewhere(one_gpu_host()) == set()
+    missing = subprocess.run([sys.executable, "-m", "gpuflow.training.runscript", str(tmp_path / "train.py")],
+                             env=child_env(**{CARD_LOCKS_ENV: str(tmp_path / "x.ranks")}), capture_output=True,
+                             text=True, cwd=tmp_path, timeout=HANG_GUARD_S)
+    assert missing.returncode == 2 and f"{CARD_LOCKS_ENV} names {tmp_path / 'x.ranks'}" in missing.stderr, \
+        missing.stderr[-2000:]
 
 
 RANK = textwrap.dedent("""

@@ -65,8 +65,6 @@ PLANS = [  # (host, request, batch, precision, expected plan fields)
      dict(cpu_processes=1, cpu_cores=1), 64, "fp32", dict(strategy="single", nproc_per_node=1, cpu_threads=1)),
     ("2 processes on a slot of 2 cores of 16", host(0, cpus=16), dict(cpu_processes=2, cpu_cores=2), 64, "fp32",
      dict(strategy="ddp", nproc_per_node=2, cpu_threads=1)),
-    ("an inherited CUDA_VISIBLE_DEVICES repeating a card: CUDA stops there", host(4, cvd="2,2,3"), dict(), 64, "fp32",
-     dict(strategy="single", physical_ids=[2])),
 ]
 
 
@@ -111,6 +109,8 @@ ERRORS = [  # (host, request, batch, precision, locked, exact message fragment)
      "precision 'bf16' with strategy 'dp' on 2 GPUs: nn.DataParallel's replicas run autocast in its default fp16"),
     ("a MIG instance inherited", host(1, cvd="MIG-4f9b7c1e-aaaa-bbbb-cccc-0123456789ab"), dict(), 64, "fp32", set(),
      "names the MIG instance MIG-4f9b7c1e-aaaa-bbbb-cccc-0123456789ab; gpuflow assigns whole GPUs"),
+    ("a card inherited twice: CUDA sees none", host(4, cvd="2,2,3"), dict(), 64, "fp32", set(),
+     "CUDA_VISIBLE_DEVICES='2,2,3' names a card twice, and CUDA then sees no GPU at all: name each card once"),
 ]
 
 
@@ -289,7 +289,7 @@ def test_gpuflow_probe_command_prints_json_and_a_table():
     out = subprocess.run([*gpuflow, "probe", "--json"], cwd=ROOT, capture_output=True, text=True,
                          check=True).stdout
     report = EnvironmentReport.model_validate_json(out)
-    assert report.cpu_count == os.cpu_count() and report.backends["gloo"]
+    assert report.cpu_count == len(os.sched_getaffinity(0)) and report.backends["gloo"]
     table = subprocess.run([*gpuflow, "probe"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert report.hostname in table and "backends:" in table
 
@@ -318,3 +318,20 @@ def test_the_cpus_counted_are_the_ones_this_process_may_use():
             "read_environment; print(usable_cpus(), read_environment(with_torch=False).cpu_count)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.stdout.split() == ["1", "1"], out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("cvd", ["MIG-4f9b7c1e-aaaa-bbbb-cccc-0123456789ab", "1,1"])
+def test_an_inherited_cuda_visible_devices_gpuflow_cannot_use_is_refused_by_evaluations_and_sweeps_too(cvd, tmp_path):
+    """Their `auto` turned into the CPU before assignment looked at it: they went to the CPU without a word."""
+    from gpuflow.flows.params import SweepParams
+    from gpuflow.flows.trial import Slots
+    from gpuflow.tasks.devices.assign import one_device_plan
+
+    report = host(2, cvd=cvd)
+    with pytest.raises(AssignmentError, match="CUDA_VISIBLE_DEVICES"):
+        one_device_plan(report, Devices(gpus="auto"))
+    (tmp_path / "s.yaml").write_text("lr: {type: float, low: 0.001, high: 0.1}\n")
+    with pytest.raises(AssignmentError, match="CUDA_VISIBLE_DEVICES"):
+        Slots(SweepParams(space=str(tmp_path / "s.yaml"), tracking_uri=f"sqlite:///{tmp_path / 'm.db'}"), report,
+              probe=lambda: report)
+    assert one_device_plan(report, Devices(gpus="cpu")).device == "cpu"  # asked for the CPU: as asked

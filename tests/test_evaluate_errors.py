@@ -157,3 +157,7 @@ def test_versions_compared_are_evaluated_on_the_same_samples_and_an_override_is_
     assert _evaluated([champion], tmp_path, "--dataset", "synthetic")[0]["samples"] == 13
     challenger, champ = _evaluated([files["good"], champion], tmp_path)
     assert champ["samples"] == challenger["samples"] == 13
+    payload["config"] |= {"data_cache": None, "synthetic_size": 100}  # synthetic data is made from its size
+    torch.save(payload, champion)
+    assert _evaluated([champion], tmp_path)[0]["samples"] == 20
+    assert _evaluated([files["good"], champion], tmp_path)[1]["samples"] == 13

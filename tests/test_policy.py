@@ -282,9 +282,13 @@ def test_a_run_id_read_back_from_a_study_is_used_only_if_it_is_that_sweeps_run(t
     exp = client.create_experiment("e")
     mine = client.create_run(exp, tags={"sweep.study": "s", "sweep.trial": "0"}).info.run_id
     other = client.create_run(exp, tags={"sweep.study": "someone-else", "sweep.trial": "0"}).info.run_id
-    assert sweep_run(client, mine, "s", 0) and sweep_run(client, mine, "s")
-    for run_id, trial in ((mine, 1), (other, 0), ("0" * 32, 0), ("../../etc", 0), ({"a": 1}, 0), (None, None)):
-        assert not sweep_run(client, run_id, "s", trial)
+    parent_id = client.create_run(exp, tags={"sweep.study": "s"}).info.run_id
+    gone = client.create_run(exp, tags={"sweep.study": "s", "sweep.trial": "0"}).info.run_id
+    client.delete_run(gone)
+    assert sweep_run(client, mine, "s", 0) and sweep_run(client, parent_id, "s")
+    for run_id, trial in ((mine, 1), (mine, None), (other, 0), (gone, 0), ("0" * 32, 0), ("../../etc", 0),
+                          ({"a": 1}, 0), (None, None), (parent_id, 0)):
+        assert not sweep_run(client, run_id, "s", trial), (run_id, trial)
     study = optuna.create_study(study_name="s", direction="maximize")
     trial = study.ask()
     trial.set_user_attr("mlflow_run_id", other)  # a forged attribute

@@ -72,7 +72,8 @@ def _config(payload: dict, checkpoint: str, **overrides) -> TrainConfig:
     return TrainConfig(**{**payload["config"], **given, "strategy": "single", "device_ids": None, "resume": "never"})
 
 
-SAME_DATA = ("dataset", "data_root", "data_cache", "val_fraction", "split_seed")  # which samples a split holds
+SAME_DATA = ("dataset", "data_root", "data_cache", "val_fraction", "split_seed", "synthetic_size",
+             "synthetic_side")  # which samples a split holds
 
 
 def _model(payload: dict, checkpoint: str, dev: torch.device, *build):

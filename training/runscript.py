@@ -17,7 +17,7 @@ from . import contract
 from .cardlock import hold_card_locks
 from .compat import set_default_pg_timeout
 from .contract import ranks
-from .errors import NotDistributed
+from .errors import NotDistributed, UserError
 
 
 def _set_dist_timeout() -> float | None:
@@ -103,7 +103,12 @@ def main(argv: list[str] | None = None) -> int:
     if contract.replay_finished():
         return 0
     script = str(Path(argv[0]).resolve())
-    hold_card_locks()  # before the script touches its card: no new run gets it until this rank is gone
+    try:
+        hold_card_locks()  # before the script touches its card: no new run gets it until this rank is gone
+    except UserError as e:
+        print(f"[rank {ranks().rank}] error: {e}", file=sys.stderr, flush=True)
+        contract.write_error(e, deterministic=True, located=False)
+        return 2
     timeout = _set_dist_timeout()
     sys.argv = list(argv)
     sys.path[0] = str(Path(script).parent)  # as `python train.py`: its own folder first

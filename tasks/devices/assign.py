@@ -15,7 +15,7 @@ from gpuflow.training.config import FP16_NEEDS_CUDA, batch_split
 from gpuflow.training.errors import UserError
 
 from .cards import CardLocks
-from .probe import EnvironmentReport, GpuInfo, mig_entry, usable_cpus
+from .probe import EnvironmentReport, GpuInfo, cvd_refusal, usable_cpus
 
 if TYPE_CHECKING:  # the request: the flows' parameters
     from gpuflow.flows.params import Devices
@@ -170,10 +170,7 @@ def assign_devices_for(report: EnvironmentReport, req: Devices, batch_size: int 
                        precision: str = "fp32", locked: set[int] = frozenset()) -> DevicePlan:
     """Pure assignment: validate everything that can be checked before launch."""
     check_host(req)
-    if req.gpus != "cpu" and (mig := mig_entry(report.cuda_visible_devices)):
-        raise AssignmentError(f"the inherited CUDA_VISIBLE_DEVICES names the MIG instance {mig}; gpuflow assigns "
-                              "whole GPUs, so it would see none here: run it where whole cards are visible, or "
-                              "use gpus=cpu")
+    check_inherited(report, req.gpus)
     no_gpu = not report.visible_physical_ids()
     if req.gpus == "cpu" or (req.gpus == "auto" and no_gpu):
         plan = _cpu_plan(report, req)
@@ -226,10 +223,19 @@ def _check_batch_and_precision(plan: DevicePlan, report: EnvironmentReport, batc
                                   "without a loss scaler; use strategy 'ddp' (one process per GPU), or 'fp16'")
 
 
+def check_inherited(report: EnvironmentReport, gpus: str) -> None:
+    """Refuse an inherited CUDA_VISIBLE_DEVICES whose cards gpuflow cannot use, unless the run asked for the CPU
+    (it would otherwise go to the CPU without a word)."""
+    if gpus != "cpu" and (why := cvd_refusal(report.cuda_visible_devices, report.gpus)):
+        raise AssignmentError(f"the inherited CUDA_VISIBLE_DEVICES={report.cuda_visible_devices!r} {why}; or use "
+                              "gpus=cpu")
+
+
 def one_device_plan(report: EnvironmentReport, request: Devices) -> DevicePlan:
     """One device for evaluation or inference: `request.gpus` auto (the freest GPU, else the CPU), '1' (the freest
     GPU), '3,', cpu; the request's strategy single, one process."""
     gpus = one_device(request.gpus)
+    check_inherited(report, gpus)
     if gpus == "auto":
         gpus = "1" if report.visible_physical_ids() else "cpu"
     request = request.model_copy(update={"gpus": gpus, "strategy": "single", "cpu_processes": 1})

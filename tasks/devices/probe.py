@@ -72,15 +72,23 @@ def parse_visible(cvd: str | None, gpus: list[GpuInfo]) -> list[int]:
     out: list[int] = []
     for tok in filter(None, (t.strip() for t in cvd.split(","))):
         idx = int(tok) if tok.isdigit() else next((g.index for g in gpus if g.uuid.startswith(tok)), None)
-        if idx not in ids or idx in out:
-            break  # CUDA stops at the first invalid (or repeated) entry
+        if idx in out:
+            return []  # a repeated ordinal: CUDA sees no device at all (torch.cuda._parse_visible_devices)
+        if idx not in ids:
+            break  # CUDA stops at the first invalid entry
         out.append(idx)
     return out
 
 
-def mig_entry(cvd: str | None) -> str | None:
-    """The first MIG instance a CUDA_VISIBLE_DEVICES value names (gpuflow assigns whole cards), if any."""
-    return next((t.strip() for t in (cvd or "").split(",") if t.strip().startswith("MIG-")), None)
+def cvd_refusal(cvd: str | None, gpus: list[GpuInfo]) -> str | None:
+    """Why gpuflow cannot use the cards an inherited CUDA_VISIBLE_DEVICES value names; None when it can."""
+    tokens = [t.strip() for t in (cvd or "").split(",") if t.strip()]
+    if mig := next((t for t in tokens if t.startswith("MIG-")), None):
+        return (f"names the MIG instance {mig}; gpuflow assigns whole GPUs, so it would see none here: run it where "
+                "whole cards are visible")
+    if tokens and not parse_visible(cvd, gpus) and parse_visible(tokens[0], gpus):
+        return "names a card twice, and CUDA then sees no GPU at all: name each card once"
+    return None
 
 
 def usable_cpus() -> int:
