@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpuflow.tasks.devices.assign import assign_devices_for, check_inherited, why_not
+from gpuflow.tasks.devices.assign import assign_devices_for, check_inherited, explicit_ids, why_not
 from gpuflow.tasks.devices.cards import CardLocks
 from gpuflow.tasks.devices.probe import EnvironmentReport, probe_environment
 from gpuflow.tasks.child import Stopped
@@ -55,7 +55,7 @@ class Slots:
         self.gpu = bool(visible) and params.gpus != "cpu"
         self.per_trial = params.gpus_per_trial if self.gpu else (params.cpu_processes or 1)
         if self.gpu:
-            named = [int(p) for p in params.gpus.split(",") if p] if "," in params.gpus else None
+            named = explicit_ids(params.gpus)
             self.pool = named or visible
             # a run skips busy cards it picks itself, never cards the user named: the same here
             self.rule = Devices(skip_busy=params.skip_busy and not named, min_free_mb=params.min_free_mb)

@@ -262,13 +262,14 @@ def main(argv=None) -> int:
         hold_card_locks()  # before the card is touched: no new run gets it until this process is gone
         if a.inputs and len(a.checkpoint) > 1:
             raise UserError("--inputs: give one --checkpoint")
-        res, same = [], {"dataset": a.dataset, "data_root": a.data_root}
-        for ck in a.checkpoint if not a.inputs else []:  # each on the first one's samples: compared on the same data
-            report, cfg = evaluate(ck, a.split, a.device, **same)
-            res.append(report)
-            same = {k: getattr(cfg, k) for k in SAME_DATA}
         if a.inputs:
             res = [predict(a.checkpoint[0], a.inputs, a.device)]
+        else:
+            res, same = [], {"dataset": a.dataset, "data_root": a.data_root}
+            for ck in a.checkpoint:  # each on the first one's samples: compared on the same data
+                report, cfg = evaluate(ck, a.split, a.device, **same)
+                res.append(report)
+                same = {k: getattr(cfg, k) for k in SAME_DATA}
     except UserError as e:  # the result file carries it to the parent, which prints it once
         write_json_atomic(a.result, {"error": str(e)})
         if sys.stderr.isatty():
