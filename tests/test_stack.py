@@ -23,7 +23,9 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import mlflow
 import numpy as np
@@ -118,23 +120,30 @@ def _status(url: str, user_password: str) -> int:
         return e.code
 
 
-@pytest.fixture(scope="module")
-def stack():
+@contextmanager
+def own_stack(name: str) -> Iterator[Stack]:
+    """A stack of this test's own (not started), in a folder PostgreSQL's user can reach; gone after."""
     if why := _postgres_usable():
         pytest.skip(why)
-    base = Path(tempfile.mkdtemp(prefix="gpuflow-stack-"))  # PostgreSQL's user must reach it: not pytest's 0700 tree
+    base = Path(tempfile.mkdtemp(prefix=f"gpuflow-stack-{name}-"))
     base.chmod(0o755)
     s = Stack(base / "data")
     try:
+        yield s
+    finally:
+        s.stop()
+        subprocess.run(["pkill", "-f", f"postgres -D {s.data}"], capture_output=True)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def stack():
+    with own_stack("shared") as s:  # PostgreSQL's user must reach its folder: not pytest's 0700 tree
         s.start()
         with pytest.MonkeyPatch.context() as env:  # MLflow clients in this process read them at each request
             for k, v in s.credentials().items():
                 env.setenv(k, v)
             yield s
-    finally:
-        s.stop()
-        subprocess.run(["pkill", "-f", f"postgres -D {s.data}"], capture_output=True)
-        shutil.rmtree(base, ignore_errors=True)
 
 
 def gpuflow_run(stack: Stack, cwd: Path, *args: str) -> dict:
@@ -350,37 +359,27 @@ def _wait_until_free(lock: Path, timeout: float = 90) -> None:
                 time.sleep(0.5)
 
 
+def _until_no_postgresql(data: Path, which: str) -> None:
+    deadline = time.monotonic() + 60
+    while _pids_of(data):
+        assert time.monotonic() < deadline, f"the {which} stack's PostgreSQL is still running"
+        time.sleep(0.5)
+
+
 def test_kill_9_of_the_stack_leaves_no_postgresql_and_the_next_start_just_starts():
-    if why := _postgres_usable():
-        pytest.skip(why)
-    base = Path(tempfile.mkdtemp(prefix="gpuflow-stack-kill-"))
-    base.chmod(0o755)
-    s = Stack(base / "data")
-    try:
+    with own_stack("kill") as s:
         s.start()
         assert _pids_of(s.data)
         os.kill(s.proc.pid, signal.SIGKILL)
         s.proc.wait()
-        deadline = time.monotonic() + 60
-        while _pids_of(s.data):
-            assert time.monotonic() < deadline, "the killed stack's PostgreSQL is still running"
-            time.sleep(0.5)
+        _until_no_postgresql(s.data, "killed")
         _wait_until_free(s.data / "stack.lock")
         s.start()
         assert s.answers() == {"prefect": 200, "mlflow": 200}
-    finally:
-        s.stop()
-        subprocess.run(["pkill", "-f", f"postgres -D {s.data}"], capture_output=True)
-        shutil.rmtree(base, ignore_errors=True)
 
 
 def test_a_stack_stopped_while_it_starts_ends_quietly_and_leaves_no_postgresql():
-    if why := _postgres_usable():
-        pytest.skip(why)
-    base = Path(tempfile.mkdtemp(prefix="gpuflow-stack-early-"))
-    base.chmod(0o755)
-    s = Stack(base / "data")
-    try:
+    with own_stack("early") as s:
         s.launch()
         deadline = time.monotonic() + 120
         while not _pids_of(s.data):  # its PostgreSQL runs: the servers are yet to start and answer
@@ -389,11 +388,4 @@ def test_a_stack_stopped_while_it_starts_ends_quietly_and_leaves_no_postgresql()
         s.proc.send_signal(signal.SIGTERM)
         assert s.proc.wait(180) == 0, s.output()[-3000:]
         assert "ready" not in s.output() and "did not start" not in s.output(), s.output()[-3000:]
-        deadline = time.monotonic() + 60
-        while _pids_of(s.data):
-            assert time.monotonic() < deadline, "the stopped stack's PostgreSQL is still running"
-            time.sleep(0.5)
-    finally:
-        s.stop()
-        subprocess.run(["pkill", "-f", f"postgres -D {s.data}"], capture_output=True)
-        shutil.rmtree(base, ignore_errors=True)
+        _until_no_postgresql(s.data, "stopped")
