@@ -14,7 +14,7 @@ from typing import Callable, Iterator
 
 from prefect import get_run_logger
 
-from gpuflow.tasks.tracking import tracked
+from gpuflow.tasks.tracking import results, tracked
 from gpuflow.training.contract import RunFolder
 
 from .calls import one_line
@@ -63,6 +63,8 @@ def run_job(launcher, where: Placement | None = None) -> dict:
                          metric=where.metric, stop=where.stop, cwd=where.cwd(run) if where.cwd else None,
                          upload_checkpoints=bool(where.node and where.node.keep_all),
                          checkpoint_each_epoch=where.checkpoint_each_epoch)
+            if where.register and p.registered_model:
+                results.warm_model_logging()  # MLflow's one-time costs of registering, paid while the job trains
             outcome: Outcome = launcher.launch(s, run, RunFolder(run.workdir), how)
             if outcome.stopped:
                 if where.on_stopped:

@@ -80,6 +80,7 @@ def sweep(params: SweepParams) -> dict:
             parent.log_params({"sweep.trials": params.trials, "sweep.parallel": slots.parallel,
                                "sweep.pruner": params.pruner, "sweep.optimize": metric,
                                "sweep.direction": direction, "sweep.space": sorted(space)})
+        results.warm_model_logging()  # the best trial is registered at the end: MLflow's one-time costs meanwhile
         with device_slot():  # one served run on this host's devices (its trials do not queue on it again)
             finished = run_trials(kept, space, params, slots, parent.run_id, metric)
         summary = summarize(study, parent, metric)

@@ -13,7 +13,7 @@ import types
 import mlflow
 import pytest
 
-from gpuflow.tasks.tracking import orphans, store, tracked
+from gpuflow.tasks.tracking import orphans, results, store, tracked
 from gpuflow.training.metrics import MetricsFile
 
 DATASET = {"name": "synthetic", "root": None, "sha256": "ab" * 32, "num_samples": 10}
@@ -253,6 +253,30 @@ def test_a_sigterm_during_registration_ends_the_logged_model_failed_and_the_run_
     assert [m.status.name for m in models] == ["FAILED"]
     assert run.info.status == "KILLED"
     assert client.search_registered_models() == []
+
+
+def test_registering_reads_no_packages_metadata_once_warmed_while_training(tmp_path, monkeypatch):
+    """MLflow's requirement check maps every installed distribution once per process; warm_model_logging builds
+    that map in the background as training starts, so registering does not wait for it. Fails when MLflow stops
+    keeping the map (then the warm-up has nothing to do and can go)."""
+    import importlib_metadata
+    from mlflow.utils import requirements_utils
+
+    monkeypatch.setattr(requirements_utils, "_MODULES_TO_PACKAGES", None)  # as in a fresh process
+    monkeypatch.setattr(results, "_warming", None)
+    mapped_by, real = [], importlib_metadata.packages_distributions
+    monkeypatch.setattr(importlib_metadata, "packages_distributions",
+                        lambda: mapped_by.append(threading.current_thread().name) or real())
+    results.warm_model_logging()
+    weights = tmp_path / "weights.pt"
+    weights.write_bytes(b"")
+    with tracked.tracked_run(_uri(tmp_path), "warm", "r", {}, None, str(tmp_path / "runs"),
+                             system_metrics=False) as run:
+        version = results.register_model(run, {"model_spec": {"reference": "gpuflow.training.models:MLP",
+                                                              "kwargs": {}}, "weights": str(weights)},
+                                         "m", None, "a test")
+    assert version == "1"
+    assert mapped_by == ["gpuflow-warm-model-logging"]
 
 
 def _copy_alone(db, dest):

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
 import tempfile
-from contextlib import contextmanager, nullcontext
+import threading
+from contextlib import contextmanager, nullcontext, suppress
 from pathlib import Path
 
 import mlflow
@@ -17,6 +19,27 @@ from .tracked import TrackedRun
 
 OUTCOME_TAG = "gpuflow.outcome"  # on every registered version: promoted, rejected (scores), or not compared
 NOT_COMPARED = "registered, not compared: the retrain flow compares a version with the champion"
+_warming: threading.Thread | None = None
+
+
+def warm_model_logging() -> None:
+    """Pay MLflow's one-time costs of logging a model in the background, once per process (call it as training
+    starts): its model modules' import and the map of installed packages that `save_model`'s requirement check
+    builds (it reads every installed distribution's metadata; MLflow keeps the map for the process)."""
+    global _warming
+    if _warming is None:
+        _warming = threading.Thread(target=_warm, name="gpuflow-warm-model-logging", daemon=True)
+        _warming.start()
+
+
+def _warm() -> None:
+    with suppress(Exception):  # only a head start: register_model does whatever this did not
+        for module in ("mlflow.pyfunc", "mlflow.models.signature"):
+            importlib.import_module(module)
+        # the check itself, of a requirement the installed mlflow meets: it builds the map and warns of nothing
+        from mlflow.utils.requirements_utils import warn_dependency_requirement_mismatches
+
+        warn_dependency_requirement_mismatches(["mlflow"])
 
 
 def model_code(spec: dict, code_root: str | None, folder: Path) -> tuple[str, list[str]]:
@@ -107,6 +130,8 @@ def register_model(run: TrackedRun, result: dict, registered_name: str, code_roo
     existing = run.client.search_model_versions(f"name='{registered_name}' and run_id='{run.run_id}'")
     if existing:  # a retried task must not create a second version
         return existing[0].version
+    if _warming is not None:  # its work is this function's first steps: not done twice
+        _warming.join()
     example, signature = model_signature(result.get("input_example"), result.get("output_spec"))
     # pyfunc.log_model's steps without its check that predicts the example, which would import torch into the flow
     model = run.client.create_logged_model(run.experiment_id, name="model", source_run_id=run.run_id)
