@@ -261,11 +261,17 @@ for key, seed in (("a", 5), ("b", 5), ("c", 6)):
     sampler.set_epoch(0)
     out[key] = torch.cat(list(loader)).tolist()
     del loader
+for key, rank, start in (("rank0", 0, 0), ("rank1", 1, 0), ("rank0_resumed", 0, 3)):  # two ranks; a resume
+    loader, sampler = train_loader(RandomSamples(), TrainConfig(seed=5, num_workers=2, batch_size=4), rank, 2,
+                                   pin=False, start_epoch=start)
+    sampler.set_epoch(start)
+    out[key] = torch.cat(list(loader)).tolist()
+    del loader
 print(json.dumps(out))
 """
 
 
-def test_dataloader_workers_are_seeded_from_the_config_seed():
+def test_dataloader_workers_are_seeded_from_the_seed_rank_and_epochs_trained():
     # In a fresh process, as in the real worker: DataLoader workers forked from pytest's
     # process (which hosts the Prefect test server's threads) exited with code 1 in CI.
     proc = subprocess.run([sys.executable, "-c", SEEDED_WORKERS], cwd=ROOT, env=child_env(),
@@ -274,6 +280,8 @@ def test_dataloader_workers_are_seeded_from_the_config_seed():
     draws = json.loads(proc.stdout.strip().splitlines()[-1])
     assert draws["a"] == draws["b"] and draws["a"] != draws["c"]
     assert len(set(draws["a"])) == 8  # workers did not repeat one another's draws
+    # no two ranks draw the same augmentations; a resumed run does not replay its first epochs' draws
+    assert len({*draws["rank0"], *draws["rank1"], *draws["rank0_resumed"]}) == 12
 
 
 @pytest.mark.parametrize("size,out", [(14, 4), (28, 4), (7, 1), (9, (2, 3)), (5, (4, None))])

@@ -223,22 +223,27 @@ def check_images(dataset: str, files: list[str]) -> None:
 # --- loaders -------------------------------------------------------------------------
 
 
-def _loader(ds: Dataset, sampler, batch_size: int, cfg: TrainConfig, pin: bool) -> DataLoader:
-    # Each worker's torch, random and numpy seeds derive from this generator: worker randomness is reproducible too.
+def _loader(ds: Dataset, sampler, batch_size: int, cfg: TrainConfig, pin: bool, rank: int, start_epoch: int):
+    # Each worker's torch, random and numpy seeds derive from this generator: reproducible, yet no two ranks' workers
+    # draw the same random augmentations, and a resumed run does not replay the draws of its first epochs.
+    import numpy as np
+
+    seed = int(np.random.SeedSequence([cfg.seed, rank, start_epoch]).generate_state(1)[0])
     common = dict(num_workers=cfg.num_workers, pin_memory=pin, persistent_workers=cfg.num_workers > 0,
-                  generator=torch.Generator().manual_seed(cfg.seed))
+                  generator=torch.Generator().manual_seed(seed))
     if isinstance(ds, TensorData):
         # One __getitem__ per batch: the sampler yields lists of indices.
         return DataLoader(ds, sampler=BatchSampler(sampler, batch_size, drop_last=False), batch_size=None, **common)
     return DataLoader(ds, sampler=sampler, batch_size=batch_size, **common)
 
 
-def train_loader(ds: Dataset, cfg: TrainConfig, rank: int, world: int, pin: bool):
-    """(loader, sampler), shuffled by (seed, epoch) alone and rank-sharded; call sampler.set_epoch(epoch) first."""
+def train_loader(ds: Dataset, cfg: TrainConfig, rank: int, world: int, pin: bool, start_epoch: int = 0):
+    """(loader, sampler), shuffled by (seed, epoch) alone and rank-sharded; call sampler.set_epoch(epoch) first.
+    `start_epoch`: the epochs already trained (a resumed run)."""
     sampler = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed)
-    return _loader(ds, sampler, cfg.batch_size // world, cfg, pin), sampler
+    return _loader(ds, sampler, cfg.batch_size // world, cfg, pin, rank, start_epoch), sampler
 
 
 def val_loader(ds: Dataset, cfg: TrainConfig, rank: int, world: int, pin: bool) -> DataLoader:
     # every `world`-th index from `rank`: each sample on exactly one rank, no padding
-    return _loader(ds, range(rank, len(ds), world), max(1, cfg.batch_size // world), cfg, pin)
+    return _loader(ds, range(rank, len(ds), world), max(1, cfg.batch_size // world), cfg, pin, rank, 0)

@@ -42,11 +42,6 @@ class Trainer:
         self.optimizer = self._make_optimizer()
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.precision == "fp16")
         self.objective = load_objective(cfg.objective, cfg.code_root)
-        world = ctx.world_size
-        self.train_loader, self.sampler = data_mod.train_loader(bundle.train, cfg, ctx.rank, world, self.pin)
-        # DistributedSampler pads each rank's share at its end: only its first `real_train` samples count
-        self.real_train = len(range(ctx.rank, len(bundle.train), world))
-        self.val_loader = data_mod.val_loader(bundle.val, cfg, ctx.rank, world, self.pin)
         self.store = CheckpointStore(cfg.checkpoint_dir)
         if ctx.is_main:
             self.store.claim()
@@ -58,6 +53,12 @@ class Trainer:
         self.resumed_from: str | None = None
         self.train_time_s = 0.0
         self._resume()
+        world = ctx.world_size  # the loaders after the resume: their workers' seeds depend on the epochs trained
+        self.train_loader, self.sampler = data_mod.train_loader(bundle.train, cfg, ctx.rank, world, self.pin,
+                                                                self.epochs_run)
+        # DistributedSampler pads each rank's share at its end: only its first `real_train` samples count
+        self.real_train = len(range(ctx.rank, len(bundle.train), world))
+        self.val_loader = data_mod.val_loader(bundle.val, cfg, ctx.rank, world, self.pin)
 
     # --- construction -----------------------------------------------------------------
     def _wrap(self, model: nn.Module) -> nn.Module:
