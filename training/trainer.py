@@ -105,6 +105,8 @@ class Trainer:
         try:
             load_model_state(self.model, payload["model"], source=f"checkpoint {str(path)!r}")
             self.optimizer.load_state_dict(payload["optimizer"])
+            for group in self.optimizer.param_groups:  # the checkpoint's moments, this run's lr and momentum (its params)
+                group.update(self.optimizer.defaults)
             if payload["scaler"] and self.scaler.is_enabled():  # {} from a run without fp16: the scaler starts fresh
                 self.scaler.load_state_dict(payload["scaler"])
             set_rng_state(payload["rng"])
