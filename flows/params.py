@@ -16,6 +16,7 @@ from gpuflow.training.policy import check_not_tracking_store
 
 from .fields import (NO_SUCH_FILE, SCRIPT, Collect, InputFile, Name, OneDevice, RegisteredModel, ScriptArgs,
                      ScriptFile, TrackingUri, Version, check_endpoint, check_parallel, check_storage)
+from .settings import DottedName, PoolName
 from .space import SweepError, check_metric, check_script_space, check_space, read_space, script_arguments
 
 
@@ -50,8 +51,8 @@ class Machines(BaseModel):
     min_nodes: int | None = Field(None, ge=1, le=1024, description="placed runs with max_node_failures: the fewest "
                                   "machines the run goes on with when a lost one has no spare within rdzv_timeout_s "
                                   "(the batch split over fewer processes, the change logged); default: nodes")
-    node_pool: str = Field("gpuflow-nodes", pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,99}$",
-                           description="the Prefect work pool whose queues are the machines (nodes > 1)")
+    node_pool: PoolName = Field("gpuflow-nodes",
+                                description="the Prefect work pool whose queues are the machines (nodes > 1)")
     rdzv_timeout_s: int = Field(300, ge=10, le=86_400, description="fail when not every node arrives (or, "
                                 "placed, starts) in time")
     max_node_failures: int = Field(0, ge=0, le=100, description="placed runs (nodes > 1): machines that may "
@@ -210,8 +211,8 @@ class Sweep(BaseModel):
     optimize: str = Field("auto", description="the validation metric to optimize, e.g. val_loss (auto: the "
                           "objective's own monitor, val_accuracy for classification)")
     direction: Literal["auto", "minimize", "maximize"] = Field("auto", description="auto: the objective's mode")
-    study: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$",
-                              description="study name; the same name resumes it (default: sweep-<model>-<dataset>)")
+    study: DottedName | None = Field(None, description="study name; the same name resumes it "
+                                     "(default: sweep-<model>-<dataset>)")
     storage: Annotated[str | None, AfterValidator(check_storage)] = Field(
         None, description="SQLAlchemy URL of the study (default: optuna.db beside the SQLite tracking store, else "
         "the team stack's study database, else in the working folder)")

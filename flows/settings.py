@@ -5,13 +5,36 @@ Every address defaults to 127.0.0.1: reachable from another machine only when se
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
+from typing import Annotated
 
-from pydantic import BaseModel, Field
+from pydantic import AfterValidator, BaseModel, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 LOOPBACK = "127.0.0.1"
+
+
+def check_pattern(pattern: str, allowed: str):
+    """A check that `v` is a name of `pattern`, whose refusal says what it takes in words, not the regular
+    expression; `allowed` lists the characters beyond letters and digits."""
+    regex = re.compile(pattern)
+
+    def check(v: str) -> str:
+        if not regex.fullmatch(v):
+            raise ValueError(f"not a usable name: use up to 100 letters, digits{allowed}, starting with a letter "
+                             "or digit")
+        return v
+    return check
+
+
+# names of pools, queues and studies (here, not in fields.py: that imports Prefect, the services' settings do not)
+POOL_PATTERN, DOTTED_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_-]{0,99}", r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}"
+PoolName = Annotated[str, AfterValidator(check_pattern(POOL_PATTERN, ", '_' or '-'")),
+                     Field(json_schema_extra={"pattern": f"^{POOL_PATTERN}$"})]  # the Prefect form checks it too
+DottedName = Annotated[str, AfterValidator(check_pattern(DOTTED_PATTERN, ", '.', '_' or '-'")),
+                      Field(json_schema_extra={"pattern": f"^{DOTTED_PATTERN}$"})]
 
 
 class Settings(BaseSettings):
@@ -58,10 +81,8 @@ class Settings(BaseSettings):
 class NodeService(BaseModel):
     """`gpuflow node`: this machine as one node of the pool, until stopped."""
 
-    pool: str = Field("gpuflow-nodes", pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,99}$",
-                      description="the Prefect work pool of the machines (a run's node_pool)")
-    name: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$",
-                             description="this machine's queue in the pool (default: its host name)")
+    pool: PoolName = Field("gpuflow-nodes", description="the Prefect work pool of the machines (a run's node_pool)")
+    name: DottedName | None = Field(None, description="this machine's queue in the pool (default: its host name)")
 
 
 def server_command(s: Settings) -> list[str]:

@@ -42,6 +42,7 @@ BAD = [
     (dict(run_name="x" * 101), "run_name="),
     (dict(tracking_uri="mlflow.db"), "not an MLflow tracking URI; use e.g. sqlite:///"),
     (dict(nnodes=2, rdzv_endpoint="nohost"), "rdzv_endpoint='nohost': not host:port"),
+    (dict(node_pool="a.b"), "node_pool='a.b': not a usable name: use up to 100 letters, digits, '_' or '-'"),
 ]
 
 
@@ -87,6 +88,9 @@ def test_evaluate_and_infer_refuse_bad_versions_and_missing_files(model, values,
 
 @pytest.mark.parametrize("args, message", [
     (["sweep", "--space", "s.yaml", "--storage", "notaurl"], "storage='notaurl': not a SQLAlchemy database URL"),
+    (["sweep", "--space", "s.yaml", "--study", "my study"], "study='my study': not a usable name: use up to 100 "
+     "letters, digits, '.', '_' or '-'"),  # in words, not the regular expression
+    (["node", "--pool", "a/b"], "pool='a/b': not a usable name"),
     (["serve", "--retrain-cron", "bad"], "retrain_cron='bad', timezone='UTC': Invalid cron string"),
     (["serve", "--timezone", "Mars/Base"], "No time zone found with key Mars/Base; give a five-field cron"),
 ])
