@@ -13,7 +13,7 @@ from pathlib import Path
 import annotated_types
 from pydantic import BaseModel
 
-from gpuflow.flows.cli import SERVICES
+from gpuflow.flows.cli import SERVICES, USES
 from gpuflow.flows.options import REST
 from gpuflow.flows.params import EvaluateParams, InferParams, PipelineParams, RetrainParams, ScriptParams, SweepParams
 from gpuflow.flows.settings import NodeService, Settings
@@ -64,7 +64,9 @@ def render() -> str:
            "parameter is its option's name with `_` for `-` (`--num-workers` is `-p num_workers=...`).",
            "The settings of `gpuflow server`, `serve` and `ui` are also read from `GPUFLOW_<NAME>` variables.", ""]
     for heading, what, model, base in SECTIONS:
-        fields = {n: f for n, f in model.model_fields.items() if base is None or n not in base.model_fields}
+        only = USES.get(heading.removeprefix("gpuflow "))  # a service's settings: those it uses
+        fields = {n: f for n, f in model.model_fields.items()
+                  if (base is None or n not in base.model_fields) and (only is None or n in only)}
         out += [f"## {heading}", "", f"{what[0].upper()}{what[1:]}.", "",
                 "| option | type | default | bounds | what it does |", "|---|---|---|---|---|",
                 *(row(n, f) for n, f in fields.items()), ""]

@@ -79,8 +79,11 @@ def parser(script: bool = False) -> argparse.ArgumentParser:
     for name, what in SERVICES.items():
         model = {"node": NodeService, "stack": StackService}.get(name, Settings)
         add_model(sub.add_parser(name, help=what + (" (settings: options, or GPUFLOW_<NAME> variables)"
-                                                    if model is Settings else ""), **kw), model)
+                                                    if model is Settings else ""), **kw), model, USES.get(name))
     return top
+
+
+USES = {"server": {"prefect_host", "prefect_port"}, "ui": {"mlflow_host", "mlflow_port"}}  # of Settings; serve: all
 
 
 SERVICES = {

@@ -62,9 +62,11 @@ def add_field(p: argparse.ArgumentParser, name: str, field) -> None:
         p.add_argument(flag, type=base, metavar=name.upper(), required=field.is_required(), **option)
 
 
-def add_model(p: argparse.ArgumentParser, model: type[BaseModel]) -> None:
+def add_model(p: argparse.ArgumentParser, model: type[BaseModel], only: set[str] | None = None) -> None:
+    """`model`'s fields as options (`only` these, where given)."""
     for name, field in model.model_fields.items():
-        add_field(p, name, field)
+        if only is None or name in only:
+            add_field(p, name, field)
     p.set_defaults(_model=model)
 
 

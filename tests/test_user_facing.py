@@ -101,6 +101,20 @@ def test_a_bad_storage_or_schedule_is_one_line_before_anything_starts(tmp_path, 
     assert out.stderr.strip().count("\n") == 0 and message in out.stderr, out.stderr[-2000:]
 
 
+@pytest.mark.parametrize("command, takes, ignores", [
+    ("server", "--prefect-port", ["--mlflow-port", "--allow-code", "--retrain-cron"]),
+    ("ui", "--mlflow-port", ["--prefect-port", "--allow-paths", "--timezone"]),
+    ("serve", "--allow-code", []),
+])
+def test_a_service_takes_only_the_settings_it_uses(command, takes, ignores):
+    p = cli.parser()
+    assert cli.parse([command, takes, "1"], p)[0] == command
+    for option in ignores:  # refused, not accepted and silently ignored
+        with pytest.raises(SystemExit) as e:
+            cli.parse([command, option, "1"], p)
+        assert e.value.code == 2
+
+
 def test_good_names_pass():
     p = PipelineParams(experiment="My experiment 2", registered_model="resnet.v2_final-1", run_name="try 3")
     assert (p.experiment, p.run_name) == ("My experiment 2", "try 3")
