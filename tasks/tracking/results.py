@@ -131,7 +131,7 @@ def register_model(run: TrackedRun, result: dict, registered_name: str, code_roo
     if existing:  # a retried task must not create a second version
         return existing[0].version
     if _warming is not None:  # its work is this function's first steps: not done twice
-        _warming.join()
+        _warming.join(60)
     example, signature = model_signature(result.get("input_example"), result.get("output_spec"))
     # pyfunc.log_model's steps without its check that predicts the example, which would import torch into the flow
     model = run.client.create_logged_model(run.experiment_id, name="model", source_run_id=run.run_id)
