@@ -7,6 +7,7 @@ settings): every option of every `gpuflow` command, with its default, bounds and
 from __future__ import annotations
 
 import json
+import types
 import typing
 from pathlib import Path
 
@@ -37,8 +38,16 @@ SECTIONS = [
 
 
 def kind(field) -> str:
-    annotation = field.annotation
-    if typing.get_origin(annotation) is typing.Literal:
+    return _kind(field.annotation)
+
+
+def _kind(annotation) -> str:
+    origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:  # a field type with its checks: the type it checks
+        return _kind(typing.get_args(annotation)[0])
+    if origin in (typing.Union, types.UnionType):
+        return " \\| ".join(map(_kind, typing.get_args(annotation)))
+    if origin is typing.Literal:
         return " \\| ".join(map(str, typing.get_args(annotation)))
     text = getattr(annotation, "__name__", None) or str(annotation)
     return text.replace("typing.", "").replace("NoneType", "None").replace("|", "\\|")

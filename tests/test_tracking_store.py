@@ -262,6 +262,8 @@ def test_registering_reads_no_packages_metadata_once_warmed_while_training(tmp_p
     import importlib_metadata
     from mlflow.utils import requirements_utils
 
+    if results._warming is not None:  # an earlier test's warm-up must not rebuild the map after the reset
+        results._warming.join(60)
     monkeypatch.setattr(requirements_utils, "_MODULES_TO_PACKAGES", None)  # as in a fresh process
     monkeypatch.setattr(results, "_warming", None)
     mapped_by, real = [], importlib_metadata.packages_distributions

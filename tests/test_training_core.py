@@ -43,7 +43,7 @@ def test_two_epochs_straight_equal_one_epoch_resume_one_epoch(tmp_path):
     assert a["config"]["model"] == "cnn"  # the config travels in every checkpoint
 
 
-def test_a_resume_from_a_file_trains_with_the_runs_own_lr_and_momentum_not_the_checkpoints(tmp_path):
+def test_a_resume_from_a_file_trains_with_the_runs_own_lr_and_momentum_and_its_optimizer_only(tmp_path):
     first = _run_inprocess(tmp_path / "a", epochs=1, optimizer="sgd", lr=0.1, momentum=0.9, **SMALL)
     again = _run_inprocess(tmp_path / "b", epochs=2, optimizer="sgd", lr=0.001, momentum=0.5,
                            resume=first["checkpoint"], **SMALL)
@@ -51,6 +51,9 @@ def test_a_resume_from_a_file_trains_with_the_runs_own_lr_and_momentum_not_the_c
     saved = load_file(again["checkpoint"])["optimizer"]
     assert [(g["lr"], g["momentum"]) for g in saved["param_groups"]] == [(0.001, 0.5)]
     assert saved["state"]  # the momentum buffers came with the checkpoint
+    with pytest.raises(CheckpointError, match="holds sgd state, but this run's optimizer is adam; resume with "
+                                              "--optimizer sgd"):
+        _run_inprocess(tmp_path / "c", epochs=2, optimizer="adam", resume=first["checkpoint"], **SMALL)
 
 
 def test_a_run_keeps_its_newest_checkpoints_and_its_best_and_resumes_from_the_newest(tmp_path):

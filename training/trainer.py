@@ -104,9 +104,13 @@ class Trainer:
         payload = load_file(path, map_location="cpu")
         try:
             load_model_state(self.model, payload["model"], source=f"checkpoint {str(path)!r}")
+            if (saved := payload["config"].get("optimizer", self.cfg.optimizer)) != self.cfg.optimizer:
+                raise CheckpointError(f"checkpoint {str(path)!r} holds {saved} state, but this run's optimizer is "
+                                      f"{self.cfg.optimizer}; resume with --optimizer {saved}, or start afresh "
+                                      "(--resume never)")
             self.optimizer.load_state_dict(payload["optimizer"])
-            for group in self.optimizer.param_groups:  # the checkpoint's moments, this run's lr and momentum (its params)
-                group.update(self.optimizer.defaults)
+            for group in self.optimizer.param_groups:  # the checkpoint's moments; this run's lr, momentum (its params)
+                group.update({k: self.optimizer.defaults[k] for k in ("lr", "momentum") if k in group})
             if payload["scaler"] and self.scaler.is_enabled():  # {} from a run without fp16: the scaler starts fresh
                 self.scaler.load_state_dict(payload["scaler"])
             set_rng_state(payload["rng"])

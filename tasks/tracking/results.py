@@ -37,6 +37,7 @@ def _warm() -> None:
         for module in ("mlflow.pyfunc", "mlflow.models.signature"):
             importlib.import_module(module)
         # the check itself, of a requirement the installed mlflow meets: it builds the map and warns of nothing
+        # (mlflow.utils is not MLflow's documented API: no public call builds the map; the test says when to drop it)
         from mlflow.utils.requirements_utils import warn_dependency_requirement_mismatches
 
         warn_dependency_requirement_mismatches(["mlflow"])
@@ -121,6 +122,8 @@ def failed_unless_ready(client, model_id: str):
 def register_model(run: TrackedRun, result: dict, registered_name: str, code_root: str | None, description: str) -> str:
     """Log the trained weights as a pyfunc model with the model's own code and register it; the version.
     Idempotent per run."""
+    if _warming is not None:  # its work is this function's first steps: not done twice (unless it takes a minute)
+        _warming.join(60)
     from mlflow.entities import LoggedModelOutput, LoggedModelStatus
     from mlflow.exceptions import MlflowException
     from mlflow.models import Model
@@ -130,8 +133,6 @@ def register_model(run: TrackedRun, result: dict, registered_name: str, code_roo
     existing = run.client.search_model_versions(f"name='{registered_name}' and run_id='{run.run_id}'")
     if existing:  # a retried task must not create a second version
         return existing[0].version
-    if _warming is not None:  # its work is this function's first steps: not done twice
-        _warming.join(60)
     example, signature = model_signature(result.get("input_example"), result.get("output_spec"))
     # pyfunc.log_model's steps without its check that predicts the example, which would import torch into the flow
     model = run.client.create_logged_model(run.experiment_id, name="model", source_run_id=run.run_id)
