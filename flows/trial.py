@@ -15,7 +15,7 @@ from typing import Any
 
 from gpuflow.tasks.devices.assign import assign_devices_for, check_inherited, explicit_ids, why_not
 from gpuflow.tasks.devices.cards import CardLocks
-from gpuflow.tasks.devices.probe import EnvironmentReport, probe_environment
+from gpuflow.tasks.devices.probe import EnvironmentReport, probe_environment, usable_cpu_ids
 from gpuflow.tasks.child import Stopped
 from gpuflow.tasks.tracking import tracked
 from gpuflow.training.contract import CHECKPOINT_SUFFIXES, RunFolder
@@ -43,8 +43,8 @@ class Slot:
 
 class Slots:
     """Trials' devices: groups of `gpus_per_trial` cards no other gpuflow run holds (the card locks decide), or on a
-    host without a GPU, CPU slots of the host's cores / parallel cores (`<host>-cpu<core>.lock`); one held elsewhere
-    is never given: the sweep waits."""
+    host without a GPU, CPU slots of the cores this process may use / parallel (`<host>-cpu<core id>.lock`); one
+    held elsewhere is never given: the sweep waits."""
 
     def __init__(self, params: SweepParams, report: EnvironmentReport, probe=probe_environment):
         check_inherited(report, params.gpus)
@@ -74,6 +74,8 @@ class Slots:
         if not self.gpu:  # each trial its share of the host's cores, all used however few run at a time
             self.cores = report.cpu_count // self.parallel
             self.pool = list(range(self.parallel))
+            # locked by core id: sweeps in disjoint cpusets never wait for each other, overlapping ones share
+            self.cpu_ids = usable_cpu_ids()  # the report's cpu_count is their number
         self.busy: set[int] = set()
         self._mutex = threading.Lock()
 
@@ -88,7 +90,7 @@ class Slots:
                 continue
             lock = CardLocks(ranks_wait_s=0)  # a lock per core: sweeps of other slot sizes share the host too
             if all(lock.try_lock(f"{socket.gethostname()}-cpu{c}")
-                   for c in range(k * self.cores, (k + 1) * self.cores)):
+                   for c in self.cpu_ids[k * self.cores:(k + 1) * self.cores]):
                 self.busy.add(k)
                 return Slot(f"cpu{k}", "cpu", self.per_trial, (k,), self.cores, lock)
             lock.release()

@@ -335,3 +335,26 @@ def test_an_inherited_cuda_visible_devices_gpuflow_cannot_use_is_refused_by_eval
         Slots(SweepParams(space=str(tmp_path / "s.yaml"), tracking_uri=f"sqlite:///{tmp_path / 'm.db'}"), report,
               probe=lambda: report)
     assert one_device_plan(report, Devices(gpus="cpu")).device == "cpu"  # asked for the CPU: as asked
+
+
+def test_cpu_sweeps_in_disjoint_cpusets_take_slots_side_by_side(tmp_path, monkeypatch):
+    """A CPU slot's locks are named by the ids of the cores this process may use: sweeps confined to different
+    cores of one host (cpusets, Slurm, taskset) never wait for each other; by index, both locked cpu0 and cpu1."""
+    import os
+
+    from gpuflow.flows.params import SweepParams
+    from gpuflow.flows.trial import Slots
+
+    monkeypatch.setenv("GPUFLOW_LOCK_DIR", str(tmp_path / "locks"))
+    (tmp_path / "s.yaml").write_text("lr: {type: float, low: 0.001, high: 0.1}\n")
+    params = SweepParams(space=str(tmp_path / "s.yaml"), tracking_uri=f"sqlite:///{tmp_path / 'm.db'}",
+                         gpus="cpu", parallel=1)
+    taken = []
+    for cores in ({0, 1}, {2, 3}):  # two sweeps, one cpuset each
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, cores=cores: cores)
+        taken.append(Slots(params, host(0, cpus=2), probe=lambda: host(0, cpus=2)).take())
+    assert all(taken), "the second sweep waited for cores the first does not use"
+    assert sorted(p.name.split("-cpu")[1] for p in (tmp_path / "locks").glob("*-cpu*.lock")) == \
+        ["0.lock", "1.lock", "2.lock", "3.lock"]
+    for slot in taken:
+        slot.lock.release()

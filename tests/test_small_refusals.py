@@ -9,6 +9,7 @@ import datetime
 import importlib
 import itertools
 import logging
+import os
 import uuid
 from pathlib import Path
 from types import SimpleNamespace
@@ -268,6 +269,7 @@ def test_a_sweep_asked_for_a_count_of_gpus_uses_at_most_that_many_at_once(tmp_pa
 
 def test_a_cpu_sweeps_trials_share_all_the_hosts_cores_however_few_run_at_a_time(tmp_path, monkeypatch):
     monkeypatch.setenv("GPUFLOW_LOCK_DIR", str(tmp_path / "locks"))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))  # the cores the report counts
     host = EnvironmentReport(hostname="cpu-box", cpu_count=16, source="none", gpus=[])
     one = _slots(host, tmp_path, gpus="cpu", parallel="1").take()
     assert (one.cores, one.processes) == (16, 1)  # one trial at a time: every core, not one of sixteen

@@ -93,10 +93,15 @@ def cvd_refusal(cvd: str | None, gpus: list[GpuInfo]) -> str | None:
 
 def usable_cpus() -> int:
     """The CPUs this process may run on (its affinity: a cpuset, Slurm, taskset), not all of the host's."""
+    return len(usable_cpu_ids())
+
+
+def usable_cpu_ids() -> list[int]:
+    """The ids of the CPUs this process may run on, in order."""
     try:
-        return len(os.sched_getaffinity(0)) or 1
+        return sorted(os.sched_getaffinity(0)) or [0]
     except (AttributeError, OSError):  # not Linux
-        return os.cpu_count() or 1
+        return list(range(os.cpu_count() or 1))
 
 
 def _text(v) -> str:
