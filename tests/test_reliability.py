@@ -200,6 +200,41 @@ def test_a_worker_removes_temp_files_left_by_a_writer_killed_mid_save(tmp_path):
 # --- loading checkpoints ------------------------------------------------------------------
 
 
+class TwoCards:
+    """torch.cuda's generator calls on two cards, of which the process trains on `current` (set_device)."""
+
+    def __init__(self, current: int):
+        self.states, self.current = [torch.tensor([0]), torch.tensor([0])], current
+
+    def draw(self):  # what dropout does to the current card's generator
+        self.states[self.current] = self.states[self.current] + 1
+
+    def install(self, monkeypatch):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+        monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [s.clone() for s in self.states])
+        monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: setattr(self, "states", list(states)))
+        monkeypatch.setattr(torch.cuda, "get_rng_state", lambda: self.states[self.current].clone())
+        monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s: self.states.__setitem__(self.current, s))
+
+
+def test_every_ddp_rank_resumes_its_own_cards_generator_from_rank_0s_checkpoint(monkeypatch):
+    """Ranks are seeded alike and draw alike, each on its own card; only rank 0 writes the file. Rank 1 used to
+    restore rank 0's view of card 1 (never drawn from: its initial state), so its dropout replayed."""
+    from gpuflow.training.checkpoint import rng_state
+
+    rank0, rank1 = TwoCards(current=0), TwoCards(current=1)
+    for _ in range(3):  # three epochs' draws, alike on both ranks
+        rank0.draw()
+        rank1.draw()
+    rank0.install(monkeypatch)
+    saved = rng_state()
+    resumed = TwoCards(current=1)  # rank 1 of the resumed run
+    resumed.install(monkeypatch)
+    set_rng_state(saved)
+    assert resumed.states[1].item() == rank1.states[1].item() == 3
+
+
 def test_a_run_on_a_non_cpu_device_resumes_because_checkpoints_load_onto_the_cpu(tmp_path, monkeypatch):
     first = _inprocess(tmp_path, epochs=1, **TINY)
     # What a non-CPU map_location does to the RNG states (meta stands in for cuda here):

@@ -121,6 +121,9 @@ def damage(path: Path, error: Exception) -> str:
 
 
 def rng_state() -> dict:
+    """Every generator's state. "cuda" is this process's view of every visible card (DataParallel's replicas);
+    "cuda_current" is the card it trains on, which under DDP is each rank's own: rank 0 saves the file, and every
+    rank, seeded alike and drawing alike, restores its own card from rank 0's."""
     py = random.getstate()
     np_state = np.random.get_state()
     return {
@@ -128,6 +131,7 @@ def rng_state() -> dict:
         "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "cuda_current": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
     }
 
 
@@ -140,6 +144,8 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if state["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"][: torch.cuda.device_count()])
+        if state.get("cuda_current") is not None:  # absent from files of gpuflow before 2026-11-28
+            torch.cuda.set_rng_state(state["cuda_current"])
 
 
 def _torch_save(payload: dict, path: Path) -> None:
