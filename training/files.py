@@ -16,10 +16,20 @@ def atomic_write(path: str | Path, write: Callable[[Path], None], mode: int = 0o
     """Call write(tmp) on a temp file beside `path`, fsync it, then rename it over `path`.
 
     On any failure the temp file is removed; a full disk (or quota) raises DiskFull naming `path`."""
-    path = Path(path)
+    path, tmp = Path(path), None
     try:
-        return _write_and_rename(path, write, mode)
-    except Exception as e:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        os.close(fd)
+        write(Path(tmp))
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)  # mkstemp makes it 0600; others sharing the folder read it too
+        os.replace(tmp, path)
+        return path
+    except BaseException as e:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
         if (full := _disk_full(e)) is None:
             raise
         raise DiskFull(f"disk full: cannot write {str(path)!r} ({full.strerror}); free space on that disk, "
@@ -33,22 +43,6 @@ def _disk_full(e: BaseException | None) -> OSError | None:
             return e
         e = e.__cause__ or e.__context__
     return None
-
-
-def _write_and_rename(path: Path, write: Callable[[Path], None], mode: int) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(Path(tmp))
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode)  # mkstemp makes it 0600; others sharing the folder read it too
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
 
 
 def write_json_atomic(path: str | Path, obj) -> Path:

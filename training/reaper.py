@@ -61,10 +61,7 @@ def stop_supervised(procs: list[subprocess.Popen], sig: int = signal.SIGTERM, gr
         try:
             p.wait(grace_s)
         except subprocess.TimeoutExpired:
-            try:
-                below = psutil.Process(p.pid).children(recursive=True)
-            except psutil.Error:
-                below = []
+            below = _below(p.pid)
             p.kill()
             p.wait()
             for q in below:
@@ -72,15 +69,16 @@ def stop_supervised(procs: list[subprocess.Popen], sig: int = signal.SIGTERM, gr
                     q.kill()
 
 
-def _below_me() -> list[psutil.Process]:
+def _below(pid: int | None = None) -> list[psutil.Process]:
+    """Every process below `pid` (default: this one); none once it is gone."""
     try:
-        return psutil.Process().children(recursive=True)
+        return psutil.Process(pid).children(recursive=True)
     except psutil.Error:
         return []
 
 
 def _signal_all(sig: int) -> None:
-    for p in _below_me():
+    for p in _below():
         with contextlib.suppress(psutil.Error):
             p.send_signal(sig)
 
@@ -110,7 +108,7 @@ class Reaper:
                 self._stop(child.pid)
             if self.stop_sent is not None and time.monotonic() - self.stop_sent > self.grace:
                 _signal_all(signal.SIGKILL)
-            if self.code is not None and not _below_me():
+            if self.code is not None and not _below():
                 return self.code
             time.sleep(POLL_S)
 
@@ -126,7 +124,7 @@ class Reaper:
             if pid == main_pid:
                 code = os.waitstatus_to_exitcode(status)
                 self.code = code if code >= 0 else 128 - code
-                if self.stop_sent is None and _below_me():  # it ended and left processes behind
+                if self.stop_sent is None and _below():  # it ended and left processes behind
                     self._stop(None)
 
     def _stop(self, main_pid: int | None) -> None:

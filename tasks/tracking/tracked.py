@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import json
 import signal
-import tempfile
 import threading
 import time
 from contextlib import contextmanager
@@ -172,10 +170,7 @@ class TrackedRun:
                               synchronous=True)
 
     def log_json(self, obj, name: str, folder: str) -> None:
-        with tempfile.TemporaryDirectory() as d:
-            p = Path(d) / name
-            p.write_text(json.dumps(obj, indent=2, default=str))
-            self.client.log_artifact(self.run_id, str(p), folder)
+        self.client.log_dict(self.run_id, obj, f"{folder}/{name}")  # name ends in .json: json.dump, indent 2
 
     @contextmanager
     def relaying_metrics(self, on_metrics: Callable[[int, dict], None] | None = None,
