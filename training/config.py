@@ -93,7 +93,7 @@ class Training(BaseModel):
     objective: str = Field(
         "classification", description="classification (cross-entropy, accuracy), model-loss (the model's own "
         "loss, given the target as labels=), or your own loss/metrics: package.module:Name or file.py:Name "
-        "(see gpuflow/training/objective.py)")
+        "(see docs/your-code.md)")
     data_root: str = Field("data", validate_default=True, description="folder holding torchvision datasets")
     download: bool = Field(False, description="download torchvision datasets if missing")
     val_fraction: float = Field(0.2, gt=0, lt=1, description="share held out for validation")
@@ -210,7 +210,7 @@ class TrainConfig(Training):
         path = Path(path)
         if not path.is_file():
             raise UserError(f"config file {str(path)!r} does not exist; pass the path of a "
-                            "TrainConfig JSON file (fields: gpuflow/training/config.py)")
+                            "TrainConfig JSON file (fields: training/config.py)")
         return cls.model_validate(json.loads(path.read_text()))
 
 
