@@ -68,6 +68,17 @@ def test_a_run_keeps_its_newest_checkpoints_and_its_best_and_resumes_from_the_ne
     assert kept == sorted({7, best})
 
 
+def test_an_epoch_whose_monitored_metric_is_nan_is_never_kept_as_the_best(tmp_path):
+    # A user metric can be NaN for an epoch (an AUC on a one-class split); no comparison with NaN is true, so it
+    # stayed "best" and the real best was deleted.
+    store = CheckpointStore(tmp_path)
+    history = [{"epoch": e, "val_auc": v} for e, v in enumerate([float("nan"), 0.7, 0.9, 0.8, 0.75], start=1)]
+    for h in history:
+        store.save({"epoch": h["epoch"]}, h["epoch"])
+        store.retain(1, history[:h["epoch"]], "val_auc", "max")
+    assert store.epochs() == [3, 5]
+
+
 def test_a_sweeps_trial_writes_its_last_epochs_checkpoint_alone_and_logs_every_epoch(tmp_path):
     res = _run_inprocess(tmp_path, epochs=4, checkpoint_each_epoch=False, **SMALL)
     assert [p.name for p in (tmp_path / "ckpt").glob("epoch-*.pt")] == ["epoch-0004.pt"]

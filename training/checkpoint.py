@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import fcntl
+import math
 import os
 import pickle
 import random
@@ -206,7 +207,7 @@ class CheckpointStore:
         """Delete every epoch's checkpoint but the `newest` and the best by `key` in `history` (`mode`: min/max)."""
         epochs = self.epochs()
         keep = set(epochs[-newest:])
-        scored = [h for h in history if isinstance(h.get(key), float)]
+        scored = [h for h in history if isinstance(h.get(key), float) and math.isfinite(h[key])]  # NaN is never best
         if scored:
             keep.add((max if mode == "max" else min)(scored, key=lambda h: h[key])["epoch"])
         for epoch in epochs:
