@@ -117,7 +117,8 @@ def run_trials(kept: Kept, space: dict[str, Distribution], params: SweepParams, 
                     continue
                 if not running:  # no trial to wait on: look for a slot again in a second
                     if not warned:
-                        log.warning("sweep %s: every slot is held by another gpuflow run; waiting", name)
+                        log.warning("sweep %s: every slot is held by another gpuflow run%s; waiting", name,
+                                    " or its cards are busy or short of memory" if slots.gpu else "")
                     warned = True
                     time.sleep(1.0)
                     continue

@@ -257,6 +257,19 @@ def test_a_sweep_skips_busy_cards_as_a_run_does(tmp_path, monkeypatch):
     assert _slots(short, tmp_path, parallel="1", min_free_mb=1000).take().cards == (2,)
 
 
+def test_a_sweep_on_too_few_usable_cards_fails_at_once_as_a_run_does(tmp_path, monkeypatch):
+    # A desktop's one card runs Xorg: `gpuflow run` refuses at once; the sweep waited for a free slot for ever.
+    from gpuflow.tasks.devices.assign import AssignmentError
+
+    monkeypatch.setenv("GPUFLOW_LOCK_DIR", str(tmp_path / "locks"))
+    with pytest.raises(AssignmentError, match=r"needs 2 free GPU\(s\) but only 1 are free \(GPU 0: busy.*"
+                                              r"GPU 1: busy.*GPU 2: busy.*set skip_busy=false"):
+        _slots(_gpu_host(busy={0, 1, 2}), tmp_path, gpus_per_trial=2)
+    with pytest.raises(AssignmentError, match="GPU 0: 100 MiB free < min_free_mb 1000"):
+        _slots(_gpu_host(busy={1, 2, 3}, free_mb={0: 100}), tmp_path, min_free_mb=1000)
+    assert _slots(_gpu_host(busy={0, 1, 2}), tmp_path, gpus_per_trial=2, skip_busy=False).per_trial == 2
+
+
 def test_a_sweep_asked_for_a_count_of_gpus_uses_at_most_that_many_at_once(tmp_path, monkeypatch):
     from gpuflow.flows.space import SweepError
 
