@@ -52,6 +52,11 @@ class Distribution(BaseModel):
             raise ValueError(f"a log-scaled range needs low > 0, got {self.low}")
         if self.type == "int" and not (float(self.low).is_integer() and float(self.high).is_integer()):
             raise ValueError(f"an int range needs whole bounds, got [{self.low}, {self.high}]")
+        if self.step is not None:  # what Optuna's suggest would refuse at the first trial
+            if self.step <= 0 or (self.type == "int" and not float(self.step).is_integer()):
+                raise ValueError(f"step {self.step} must be above 0{' and whole' if self.type == 'int' else ''}")
+            if self.log and (self.type == "float" or self.step != 1):
+                raise ValueError(f"a log-scaled range takes no step (got step {self.step}); drop one of them")
         return self
 
     def suggest(self, trial, name: str):

@@ -4,6 +4,7 @@ a served deployment's caller may name it. Real small files in tmp_path, no serve
 from pathlib import Path
 
 import pytest
+import yaml
 
 from gpuflow.flows import space as space_module
 from gpuflow.flows.space import SweepError, read_space
@@ -56,6 +57,26 @@ def test_one_anchor_and_its_alias_are_refused_naming_the_line_and_the_fix(tmp_pa
     says = _refusal(_write(tmp_path, "lr: {type: float, low: 0.001, high: 0.1}\n"
                                      "optimizer: &opts {type: choice, values: [adam, sgd]}\nscheduler: *opts\n"))
     assert "line 2 has the YAML anchor &opts" in says and "write the values out" in says, says
+
+
+@pytest.mark.parametrize("line, says", [
+    ("lr: {type: float, low: 1.0e-4, high: 0.1, log: true, step: 0.01}", "a log-scaled range takes no step"),
+    ("n: {type: int, low: 2, high: 64, log: true, step: 2}", "a log-scaled range takes no step"),
+    ("lr: {type: float, low: 0.1, high: 0.5, step: 0}", "step 0.0 must be above 0"),
+    ("n: {type: int, low: 2, high: 64, step: -2}", "step -2.0 must be above 0"),
+    ("n: {type: int, low: 2, high: 64, step: 2.5}", "step 2.5 must be above 0 and whole"),  # was cut to 2
+])
+def test_a_step_optuna_would_refuse_at_the_first_trial_is_refused_before_the_sweep(tmp_path, line, says):
+    import optuna
+
+    got = _refusal(_write(tmp_path, line + "\n"))
+    assert says in got, got
+    (name, d), = yaml.safe_load(line).items()
+    if float(d["step"]).is_integer() or d["type"] == "float":  # what it spares: Optuna's error in a running sweep
+        trial = optuna.create_study().ask()
+        suggest = trial.suggest_int if d["type"] == "int" else trial.suggest_float
+        with pytest.raises(ValueError):
+            suggest(name, d["low"], d["high"], step=d["step"], log=d.get("log", False))
 
 
 def test_a_merge_key_is_refused_at_its_anchor(tmp_path):
