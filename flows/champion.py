@@ -20,10 +20,13 @@ if TYPE_CHECKING:
     from .params import RetrainParams
 
 
-def compared(metric: str, evaluation: dict) -> tuple[str, str]:
-    """(the metric compared, "min" or "max"), `auto` being the evaluation's monitor; UserError if it reports none."""
+def compared(metric: str, evaluation: dict, optimized: str | None = None) -> tuple[str, str]:
+    """(the metric compared, "min" or "max"), `auto` being what a sweep `optimized` (val_loss: loss) where the
+    evaluation reports it, else the evaluation's monitor; UserError if it reports none."""
     if metric == "auto":
-        metric = evaluation["monitor"]
+        held_out = (optimized or "").removeprefix("val_")
+        metric = held_out if optimized and optimized.startswith("val_") and held_out in evaluation \
+            else evaluation["monitor"]
     mode = mode_of(metric, evaluation["monitor"], evaluation.get("mode", "min"))
     if metric not in evaluation:
         found = ", ".join(k for k, v in evaluation.items() if isinstance(v, float))
@@ -42,9 +45,11 @@ def outcome(promoted: bool, challenger: dict, champion: dict | None, metric: str
             f"{better if promoted else worse} champion v{champion_v} {champion[metric]:.4f}")
 
 
-def compare_with_champion(params: RetrainParams, client, challenger_v: str, run_id: str, flow: str) -> dict:
+def compare_with_champion(params: RetrainParams, client, challenger_v: str, run_id: str, flow: str,
+                          optimized: str | None = None) -> dict:
     """Evaluate the challenger version and the champion on the same data and device, move the
-    alias to the challenger only if it is better; tag the run `<flow>.*` with the decision."""
+    alias to the challenger only if it is better (by what a sweep `optimized`, see compared); tag the run
+    `<flow>.*` with the decision."""
     name = params.registered_model
     champion_v = champion_version(client, name)
     # The evaluations use a device as training does; held-out data: the challenger's validation split
@@ -52,7 +57,7 @@ def compare_with_champion(params: RetrainParams, client, challenger_v: str, run_
         versions = [challenger_v, *([champion_v] if champion_v and champion_v != challenger_v else [])]
         reports = evaluate_versions(client, name, versions, plan, dataset=params.dataset, hold_fds=fds)
     challenger, champion = reports[0], (reports[1] if len(reports) > 1 else None)
-    metric, mode = compared(params.metric, challenger)
+    metric, mode = compared(params.metric, challenger, optimized)
     promoted = better(challenger[metric], champion and champion[metric], mode)
     if promoted:
         promote(client, name, challenger_v)

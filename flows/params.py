@@ -182,9 +182,10 @@ class RetrainParams(PipelineParams):
     """The retrain flow: a challenger trained by the pipeline, then compared with the champion."""
 
     eval_gpus: OneDevice = "auto"
-    metric: str = Field("auto", description="what makes a challenger better: auto (the objective's own: "
-                        "accuracy for classification), loss (lower), accuracy (higher), or a metric of your "
-                        "objective (compared by its mode)")
+    metric: str = Field("auto", description="what makes a challenger better: auto (a sweep's: the validation "
+                        "metric it optimized, val_loss: loss; else the objective's own: accuracy for "
+                        "classification), loss (lower), accuracy (higher), or a metric of your objective (compared "
+                        "by its mode)")
 
     def pipeline(self) -> dict:
         return self.model_dump(include=set(PipelineParams.model_fields))

@@ -85,7 +85,7 @@ def sweep(params: SweepParams) -> dict:
             finished = run_trials(kept, space, params, slots, parent.run_id, metric)
         summary = summarize(study, parent, metric)
         if summary.get("best_run_id"):
-            summary |= register_best(params, client, summary, name, finished.get(summary["best_run_id"]),
+            summary |= register_best(params, client, summary, name, metric, finished.get(summary["best_run_id"]),
                                      plots_beside(study, parent))
             for k in ("model_version", "promoted"):
                 parent.client.set_tag(parent.run_id, f"sweep.{k}", str(summary.get(k)))
@@ -184,9 +184,11 @@ def tell(study, t: Trial, fut: Future, log) -> bool:
     return True
 
 
-def register_best(params: SweepParams, client, summary: dict, name: str, result: dict | None, beside) -> dict:
-    """Register the best trial's model and put it through the champion/challenger rule (flows/champion.py), the
-    `beside` block (the plots) running meanwhile; `result` as the trial returned it, or None: read from its folder."""
+def register_best(params: SweepParams, client, summary: dict, name: str, metric: str, result: dict | None,
+                  beside) -> dict:
+    """Register the best trial's model and put it through the champion/challenger rule (flows/champion.py) by the
+    `metric` it was chosen by, the `beside` block (the plots) running meanwhile; `result` as the trial returned it,
+    or None: read from its folder."""
     run_id = summary["best_run_id"]
     folder = RunFolder.of(params.runs_dir, run_id)
     result = result or json.loads(folder.result.read_text())
@@ -200,5 +202,5 @@ def register_best(params: SweepParams, client, summary: dict, name: str, result:
     version = results.register_model(run, result, params.registered_model, str(Path.cwd()),
                                      f"{params.model} on {params.dataset}: {how}")
     with beside:  # the evaluations run in a child process: the plots' imports and drawing take no time of theirs
-        decision = compare_with_champion(params, client, version, run_id, "sweep")
+        decision = compare_with_champion(params, client, version, run_id, "sweep", metric)
     return {"model_version": version, "promoted": decision["promoted"]}

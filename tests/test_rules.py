@@ -61,6 +61,11 @@ def test_the_sweep_and_retrain_judge_by_the_same_rule():
     assert compared("accuracy", evaluation) == ("accuracy", "max")
     with pytest.raises(Exception, match="metric='f1'.*no such metric"):
         compared("f1", evaluation)
+    # a sweep that optimized val_loss promotes by loss, not by the objective's monitor (it did by accuracy)
+    classified = {"monitor": "accuracy", "mode": "max", "loss": 0.3, "accuracy": 0.9}
+    assert compared("auto", classified, "val_loss") == ("loss", "min")
+    assert compared("auto", classified, "train_loss") == ("accuracy", "max")  # not held-out: the monitor
+    assert compared("accuracy", classified, "val_loss") == ("accuracy", "max")  # asked for: as asked
 
 
 @pytest.mark.parametrize("batch, devices, processes, fits", [
