@@ -58,9 +58,10 @@ def storage_url(params: SweepParams) -> str:
     return published
 
 
-def open_study(params: SweepParams, direction: str, url: str):
-    """The study, created or loaded in `url`; trials left RUNNING by a sweep that is gone are failed
-    (this host's by their owner's pid, others' by their stale heartbeat)."""
+def open_study(params: SweepParams, metric: str, direction: str, url: str):
+    """The study, created or loaded in `url` (a loaded one optimizing the same `metric` in the same direction);
+    trials left RUNNING by a sweep that is gone are failed (this host's by their owner's pid, others' by their
+    stale heartbeat)."""
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -78,6 +79,11 @@ def open_study(params: SweepParams, direction: str, url: str):
     if study.direction.name.lower() != direction:
         raise SweepError(f"study {study.study_name!r} in {shown(url)} was created to {study.direction.name.lower()}, "
                          f"not {direction}; name a new study")
+    if study.user_attrs.get("optimize", metric) != metric:  # its trials' values are of another metric
+        raise SweepError(f"study {study.study_name!r} in {shown(url)} optimizes {study.user_attrs['optimize']}, "
+                         f"not {metric}; sweep with --optimize {study.user_attrs['optimize']}, or name a new study")
+    if "optimize" not in study.user_attrs:
+        study.set_user_attr("optimize", metric)
     kept = Kept(study, storage, storage.get_study_id_from_name(study.study_name))
     cut_off_orphans(kept)
     optuna.storages.fail_stale_trials(study)

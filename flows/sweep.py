@@ -62,7 +62,7 @@ def sweep(params: SweepParams) -> dict:
     url = storage_url(params)
     if policy := current_policy():  # the stack's published URL is a Variable any API user may set
         policy.check_storage(url, params.tracking_uri)
-    kept = open_study(params, direction, url)
+    kept = open_study(params, metric, direction, url)
     study, name = kept.study, kept.study.study_name
     log.info("sweep %s: %d of %d trials done; %d at a time on %s; optimizing %s (%s); study in %s", name,
              counted(study), params.trials, slots.parallel, "GPUs" if slots.gpu else "CPU slots", metric, direction,

@@ -392,3 +392,21 @@ def test_a_retried_placed_run_starts_new_nodes_not_the_earlier_attempts(monkeypa
     again = nodes.job_id()
     assert first == run_id and again != first
     nodes.NodeJob(id=again, index=0, name="a", run_id="0" * 32)  # still a valid job id
+
+
+def test_a_study_resumed_to_optimize_another_metric_is_refused_naming_both(tmp_path):
+    # Only the direction was compared: a val_loss study resumed with --optimize train_loss counted the old trials
+    # as done and chose its best among values of two metrics.
+    from gpuflow.flows.params import SweepParams
+    from gpuflow.flows.space import SweepError
+    from gpuflow.flows.study import open_study
+
+    (tmp_path / "space.yaml").write_text("lr: {type: float, low: 1.0e-3, high: 0.1, log: true}\n")
+    p = SweepParams(space=str(tmp_path / "space.yaml"), tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}",
+                    study="s")
+    url = f"sqlite:///{tmp_path / 'optuna.db'}"
+    assert open_study(p, "val_loss", "minimize", url).study.user_attrs["optimize"] == "val_loss"
+    with pytest.raises(SweepError, match="study 's' in .* optimizes val_loss, not train_loss; sweep with "
+                                         "--optimize val_loss, or name a new study"):
+        open_study(p, "train_loss", "minimize", url)
+    assert open_study(p, "val_loss", "minimize", url).study.study_name == "s"  # the same again: resumed
