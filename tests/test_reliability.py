@@ -200,6 +200,56 @@ def test_a_worker_removes_temp_files_left_by_a_writer_killed_mid_save(tmp_path):
 # --- loading checkpoints ------------------------------------------------------------------
 
 
+def _two_machines(tmp_path: Path, epochs: int) -> list[subprocess.CompletedProcess]:
+    """A run started by hand on two "machines" (`--nnodes 2`, a process each, each its own folder and checkpoint
+    folder) on this host; node 0's folder gets the result."""
+    import socket
+
+    from tests.helpers import BIN, TORCHRUN_LOGS
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for node in (0, 1):
+        work = tmp_path / f"node{node}"
+        work.mkdir(exist_ok=True)
+        TrainConfig(**TINY, epochs=epochs, strategy="ddp", device="cpu",
+                    checkpoint_dir=str(work / "ckpt")).to_json(work / "cfg.json")
+        procs.append(subprocess.Popen(
+            [str(BIN / "torchrun"), "--nnodes=2", f"--node-rank={node}", "--nproc-per-node=1",
+             "--master-addr=127.0.0.1", f"--master-port={port}", "--max-restarts=0", f"--log-dir={TORCHRUN_LOGS}",
+             "-m", "gpuflow.training", "--config", str(work / "cfg.json")], cwd=ROOT, env=child_env(), stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True, start_new_session=True))
+    done = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=180)
+        except subprocess.TimeoutExpired:  # ranks out of step wait in a collective until the group's timeout
+            for q in procs:
+                os.killpg(q.pid, signal.SIGKILL)
+            raise AssertionError("the two machines' ranks hung: out of step") from None
+        done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    return done
+
+
+def test_a_run_started_by_hand_on_two_machines_resumes_every_rank_from_rank_0s_checkpoint(tmp_path):
+    """Only global rank 0 writes checkpoints, in its machine's folder; node 1's rank found none in its own and
+    started from epoch 0 with fresh weights while rank 0 resumed, so the ranks trained out of step."""
+    first = _two_machines(tmp_path, epochs=2)
+    assert [p.returncode for p in first] == [0, 0], first[1].stderr[-2000:]
+    assert not list((tmp_path / "node1" / "ckpt").glob("epoch-*.pt"))  # rank 1 writes none
+    again = _two_machines(tmp_path, epochs=3)
+    assert [p.returncode for p in again] == [0, 0], again[0].stderr[-2000:] + again[1].stderr[-2000:]
+    res = result(tmp_path / "node0")
+    assert res["resumed_from"].endswith("epoch-0002.pt") and [h["epoch"] for h in res["history"]] == [1, 2, 3]
+    straight = tmp_path / "straight"
+    run_worker(straight, nproc=2, **TINY, epochs=3, device="cpu")
+    a, b = load_file(res["checkpoint"])["model"], load_file(result(straight)["checkpoint"])["model"]
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=1e-6), k  # as if never stopped
+
+
 class TwoCards:
     """torch.cuda's generator calls on two cards, of which the process trains on `current` (set_device)."""
 
@@ -247,7 +297,7 @@ def test_a_run_on_a_non_cpu_device_resumes_because_checkpoints_load_onto_the_cpu
         cpu = isinstance(map_location, str) and map_location == "cpu"
         return load_file(path, map_location="cpu" if cpu else "meta")
 
-    monkeypatch.setattr("gpuflow.training.trainer.load_file", on_another_device)
+    monkeypatch.setattr("gpuflow.training.distributed.load_file", on_another_device)
     second = _inprocess(tmp_path, epochs=2, **TINY)
     assert asked == ["cpu"]
     assert second["resumed_from"] == first["checkpoint"] and [h["epoch"] for h in second["history"]] == [1, 2]

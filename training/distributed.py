@@ -9,6 +9,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .checkpoint import CheckpointError, load_file
 from .config import FP16_NEEDS_CUDA, TrainConfig, batch_split
 from .compat import attempt_store
 from .contract import ranks
@@ -104,6 +105,23 @@ def broadcast_from_main(obj, ctx: DistContext):
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def load_on_every_rank(path: str, ctx: DistContext) -> dict:
+    """The checkpoint at rank 0's `path` on every rank, on the CPU: read by each where every rank sees the file (one
+    machine, a shared disk), else read by rank 0 and sent (another machine of a run started by hand, --nnodes)."""
+    if all_reduce_sum([float(not os.path.isfile(path))], ctx)[0] == 0:
+        return load_file(path, map_location="cpu")
+    sent = None
+    if ctx.is_main:
+        try:
+            sent = {"payload": load_file(path, map_location="cpu")}
+        except CheckpointError as e:  # said on every rank, none left waiting for the payload
+            sent = {"error": str(e)}
+    sent = broadcast_from_main(sent, ctx)
+    if "error" in sent:
+        raise CheckpointError(sent["error"])
+    return sent["payload"]
 
 
 def barrier(ctx: DistContext) -> None:

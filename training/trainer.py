@@ -13,10 +13,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import data as data_mod
-from .checkpoint import BackgroundWriter, CheckpointError, CheckpointStore, load_file, load_model_state
+from .checkpoint import BackgroundWriter, CheckpointError, CheckpointStore, load_model_state
 from .checkpoint import model_state, rng_state, save_file, set_rng_state, to_cpu, unwrap
 from .config import TrainConfig, batch_split
 from .distributed import DistContext, LaunchError, all_reduce_sum, broadcast_from_main, gather_to_main
+from .distributed import load_on_every_rank
 from .builder import make_model
 from .errors import TrainingDiverged
 from .faults import fault_hook
@@ -97,11 +98,12 @@ class Trainer:
     # --- checkpoints --------------------------------------------------------------------
     def _resume(self) -> None:
         restarted = ranks().restarts > 0 or int(os.environ.get(LAUNCH_ATTEMPT_ENV, 1)) > 1  # torchrun's, Prefect's
-        path = self.store.resume_path(self.cfg.resume, restarted)
+        path = self.store.resume_path(self.cfg.resume, restarted) if self.ctx.is_main else None
+        # rank 0's choice on every rank: only rank 0 writes checkpoints, another machine's folder has none
+        path = broadcast_from_main(path and str(path), self.ctx)
         if path is None:
             return
-        # CPU whatever the device: the RNG states must be CPU tensors; load_state_dict copies the rest over
-        payload = load_file(path, map_location="cpu")
+        payload = load_on_every_rank(path, self.ctx)
         try:
             load_model_state(self.model, payload["model"], source=f"checkpoint {str(path)!r}")
             if (saved := payload["config"].get("optimizer", self.cfg.optimizer)) != self.cfg.optimizer:
