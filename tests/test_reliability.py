@@ -219,8 +219,8 @@ def _two_machines(tmp_path: Path, epochs: int) -> list[subprocess.CompletedProce
         procs.append(subprocess.Popen(
             [str(BIN / "torchrun"), "--nnodes=2", f"--node-rank={node}", "--nproc-per-node=1",
              "--master-addr=127.0.0.1", f"--master-port={port}", "--max-restarts=0", f"--log-dir={TORCHRUN_LOGS}",
-             "-m", "gpuflow.training", "--config", str(work / "cfg.json")], cwd=ROOT, env=child_env(), stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True, start_new_session=True))
+             "-m", "gpuflow.training", "--config", str(work / "cfg.json")], cwd=ROOT, env=child_env(),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True))
     done = []
     for p in procs:
         try:
