@@ -68,6 +68,18 @@ def test_a_run_keeps_its_newest_checkpoints_and_its_best_and_resumes_from_the_ne
     assert kept == sorted({7, best})
 
 
+def test_a_resume_file_given_is_used_on_the_first_attempt_whatever_the_folder_holds(tmp_path):
+    # A worker started again in a folder holding an earlier run's checkpoints took the folder's newest file and
+    # silently ignored the one it was given.
+    store = CheckpointStore(tmp_path / "ckpt")
+    store.save({"epoch": 4}, 4)
+    given = str(tmp_path / "other" / "epoch-0002.pt")
+    assert store.resume_path(given, restarted=False) == given
+    assert store.resume_path(given, restarted=True) == store.path_for(4)  # a restart continues its own progress
+    assert store.resume_path("auto", restarted=False) == store.path_for(4)
+    assert store.resume_path("never", restarted=False) is None
+
+
 def test_an_epoch_whose_monitored_metric_is_nan_is_never_kept_as_the_best(tmp_path):
     # A user metric can be NaN for an epoch (an AUC on a one-class split); no comparison with NaN is true, so it
     # stayed "best" and the real best was deleted.

@@ -215,10 +215,10 @@ class CheckpointStore:
                 self.path_for(epoch).unlink(missing_ok=True)
 
     def resume_path(self, resume: str, restarted: bool) -> str | Path | None:
-        """What a worker resumes from: the folder's newest checkpoint once it has one (a restart,
-        `restarted`, continues whatever `resume` says); before that, an explicit file, or nothing."""
-        if resume == "never" and not restarted:
-            return None
+        """What a worker resumes from: a first attempt, what `resume` says (auto: the folder's newest, if any); a
+        restart (`restarted`) continues from the folder's newest once it has one, whatever `resume` says."""
+        if not restarted and resume != "auto":
+            return None if resume == "never" else resume  # a file given is the file used, whatever the folder holds
         latest = self.latest()
         return latest if latest is not None or resume in ("auto", "never") else resume
 
