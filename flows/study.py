@@ -69,7 +69,8 @@ def open_study(params: SweepParams, metric: str, direction: str, url: str):
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
     kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
-    storage = optuna.storages.RDBStorage(url, engine_kwargs=kwargs, heartbeat_interval=HEARTBEAT_S)
+    storage = optuna.storages.RDBStorage(url, engine_kwargs=kwargs, heartbeat_interval=HEARTBEAT_S,
+                                         heartbeat_stale_trial_callback=_stale)
     sampler = optuna.samplers.TPESampler(seed=params.sampler_seed, constant_liar=True,
                                          n_startup_trials=min(10, max(2, params.trials // 3)))
     pruner = (optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=0) if params.pruner == "median"
@@ -165,13 +166,21 @@ def cut_off_orphans(kept: Kept) -> None:
             kept.cut_off(t.number, "its sweep process is gone")
 
 
+def _stale(study, trial) -> None:
+    """Optuna failed `trial` for its stopped heartbeat (a sweep gone, on any host): cut off, noted on the study (a
+    finished trial takes no attribute)."""
+    study.set_user_attr(f"cut_off.{trial.number}", "its sweep stopped beating")
+
+
 def counted(study) -> int:
     """Trials that count against the budget: finished, pruned, or failed on their own (not cut off)."""
     from optuna.trial import TrialState
 
+    marked = study.user_attrs  # trials Optuna failed as stale (_stale)
     return sum(1 for t in study.get_trials(deepcopy=False)
                if t.state in (TrialState.COMPLETE, TrialState.PRUNED)
-               or (t.state == TrialState.FAIL and "cut_off" not in t.user_attrs))
+               or (t.state == TrialState.FAIL and "cut_off" not in t.user_attrs
+                   and f"cut_off.{t.number}" not in marked))
 
 
 def best_so_far(study) -> str:

@@ -10,6 +10,7 @@ import importlib
 import itertools
 import logging
 import os
+import time
 import uuid
 from pathlib import Path
 from types import SimpleNamespace
@@ -410,3 +411,27 @@ def test_a_study_resumed_to_optimize_another_metric_is_refused_naming_both(tmp_p
                                          "--optimize val_loss, or name a new study"):
         open_study(p, "train_loss", "minimize", url)
     assert open_study(p, "val_loss", "minimize", url).study.study_name == "s"  # the same again: resumed
+
+
+def test_a_trial_cut_off_on_another_host_does_not_count_against_the_budget(tmp_path, monkeypatch):
+    # A sweep killed on one machine (or container) and resumed from another: its trial, RUNNING with a stopped
+    # heartbeat, was failed by Optuna without being marked cut off, and counted: the sweep ran one trial fewer.
+    from gpuflow.flows import study as study_module
+    from gpuflow.flows.params import SweepParams
+    from gpuflow.tasks.tracking import orphans
+
+    monkeypatch.setattr(study_module, "HEARTBEAT_S", 1)  # stale after 2 s (Optuna's grace: twice the interval)
+    (tmp_path / "space.yaml").write_text("lr: {type: float, low: 1.0e-3, high: 0.1, log: true}\n")
+    p = SweepParams(space=str(tmp_path / "space.yaml"), tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}",
+                    study="s")
+    url = f"sqlite:///{tmp_path / 'optuna.db'}"
+    kept = study_module.open_study(p, "val_accuracy", "maximize", url)
+    done = kept.study.ask()
+    kept.study.tell(done, 0.5)
+    gone = kept.study.ask()
+    gone.set_user_attr("owner", {orphans.OWNER_HOST: "another-machine", orphans.OWNER_PID: "1"})
+    kept.beat(gone.number)
+    time.sleep(3)
+    again = study_module.open_study(p, "val_accuracy", "maximize", url)
+    assert [t.state.name for t in again.study.trials] == ["COMPLETE", "FAIL"]
+    assert study_module.counted(again.study) == 1  # was 2
