@@ -24,9 +24,8 @@ def compared(metric: str, evaluation: dict, optimized: str | None = None) -> tup
     """(the metric compared, "min" or "max"), `auto` being what a sweep `optimized` (val_loss: loss) where the
     evaluation reports it, else the evaluation's monitor; UserError if it reports none."""
     if metric == "auto":
-        held_out = (optimized or "").removeprefix("val_")
-        metric = held_out if optimized and optimized.startswith("val_") and held_out in evaluation \
-            else evaluation["monitor"]
+        held_out = optimized.removeprefix("val_") if optimized and optimized.startswith("val_") else None
+        metric = held_out if held_out in evaluation else evaluation["monitor"]
     mode = mode_of(metric, evaluation["monitor"], evaluation.get("mode", "min"))
     if metric not in evaluation:
         found = ", ".join(k for k, v in evaluation.items() if isinstance(v, float))

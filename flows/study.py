@@ -80,11 +80,12 @@ def open_study(params: SweepParams, metric: str, direction: str, url: str):
     if study.direction.name.lower() != direction:
         raise SweepError(f"study {study.study_name!r} in {shown(url)} was created to {study.direction.name.lower()}, "
                          f"not {direction}; name a new study")
-    if study.user_attrs.get("optimize", metric) != metric:  # its trials' values are of another metric
-        raise SweepError(f"study {study.study_name!r} in {shown(url)} optimizes {study.user_attrs['optimize']}, "
-                         f"not {metric}; sweep with --optimize {study.user_attrs['optimize']}, or name a new study")
-    if "optimize" not in study.user_attrs:
+    optimizes = study.user_attrs.get("optimize")  # one read: each is a query of the storage
+    if optimizes is None:
         study.set_user_attr("optimize", metric)
+    elif optimizes != metric:  # its trials' values are of another metric
+        raise SweepError(f"study {study.study_name!r} in {shown(url)} optimizes {optimizes}, not {metric}; sweep "
+                         f"with --optimize {optimizes}, or name a new study")
     kept = Kept(study, storage, storage.get_study_id_from_name(study.study_name))
     cut_off_orphans(kept)
     optuna.storages.fail_stale_trials(study)

@@ -60,8 +60,7 @@ class Slots:
             # a run skips busy cards it picks itself, never cards the user named: the same here
             self.rule = Devices(skip_busy=params.skip_busy and not named, min_free_mb=params.min_free_mb)
             if not named:  # too few cards pass the rule (busy, short of memory) whoever holds them: a run's error
-                assign_devices_for(report, Devices(gpus=str(self.per_trial), skip_busy=self.rule.skip_busy,
-                                                   min_free_mb=self.rule.min_free_mb), batch_size=None)
+                assign_devices_for(report, self.rule.model_copy(update={"gpus": str(self.per_trial)}), batch_size=None)
             cards = int(params.gpus) if params.gpus.isdigit() else len(self.pool)  # a count: at most that many at once
             capacity = cards // self.per_trial
             what = f"{cards} GPUs ({params.gpus_per_trial} per trial)"
