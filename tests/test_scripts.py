@@ -370,6 +370,46 @@ def test_the_helper_resumes_the_model_optimizer_and_random_streams(tmp_path, mon
     assert fresh_opt.state_dict()["state"][0]["step"] == opt.state_dict()["state"][0]["step"]
 
 
+ON_TWO_MACHINES = """\
+import json, os, sys, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+os.environ["GPUFLOW_OUTPUT_DIR"] = os.path.join(sys.argv[1], f"machine{rank}")  # each rank its machine's folder
+from gpuflow.training import helper
+torch.manual_seed(rank)
+model = torch.nn.Linear(3, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+model(torch.ones(1, 3)).sum().backward()
+opt.step()
+if sys.argv[2] == "save":
+    helper.save_checkpoint(model, opt, epoch=2)  # rank 0's alone
+    if rank == 0:
+        torch.save(model.state_dict(), os.path.join(sys.argv[1], "saved.pt"))
+else:
+    epoch = helper.resume(model, opt)
+    with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
+        json.dump({"epoch": epoch, "weight": model.weight.tolist()}, f)
+dist.destroy_process_group()
+"""
+
+
+def test_the_helper_resumes_every_rank_from_rank_0s_checkpoint_when_each_machine_has_its_folder(tmp_path):
+    # Only global rank 0 saves; a rank on another machine (its own output folder) found no checkpoint and started
+    # at epoch 0 with its own weights while rank 0 resumed: the ranks ran out of step.
+    (tmp_path / "train.py").write_text(ON_TWO_MACHINES)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "GPUFLOW_"))}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           f"--log-dir={TORCHRUN_LOGS}", "train.py", str(tmp_path)]
+    for step in ("save", "resume"):
+        out = subprocess.run([*cmd, step], cwd=tmp_path, env=env | FRESH_RDZV_STORE, capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 0, out.stderr[-3000:]
+    assert not (tmp_path / "machine1" / "checkpoints").exists()
+    saved = torch.load(tmp_path / "saved.pt", weights_only=True)["weight"].tolist()
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == {"epoch": 2, "weight": saved}
+
+
 ASYNC_LOGGER = """\
 import os, mlflow, torch.distributed as dist
 dist.init_process_group("gloo")

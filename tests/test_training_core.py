@@ -68,16 +68,23 @@ def test_a_run_keeps_its_newest_checkpoints_and_its_best_and_resumes_from_the_ne
     assert kept == sorted({7, best})
 
 
-def test_a_resume_file_given_is_used_on_the_first_attempt_whatever_the_folder_holds(tmp_path):
+def test_a_first_attempt_is_refused_a_folder_holding_another_runs_checkpoints(tmp_path):
     # A worker started again in a folder holding an earlier run's checkpoints took the folder's newest file and
-    # silently ignored the one it was given.
+    # silently ignored the one it was given; with `never`, or with a file given, retention (the newest epochs) then
+    # kept the earlier run's higher epochs and deleted this run's, and a restart resumed from the earlier run's.
     store = CheckpointStore(tmp_path / "ckpt")
-    store.save({"epoch": 4}, 4)
     given = str(tmp_path / "other" / "epoch-0002.pt")
-    assert store.resume_path(given, restarted=False) == given
-    assert store.resume_path(given, restarted=True) == store.path_for(4)  # a restart continues its own progress
-    assert store.resume_path("auto", restarted=False) == store.path_for(4)
+    assert store.resume_path(given, restarted=False) == given  # an empty folder: the file given
     assert store.resume_path("never", restarted=False) is None
+    store.save({"epoch": 3}, 3)
+    store.save({"epoch": 4}, 4)
+    for resume in (given, "never", str(store.path_for(3))):
+        with pytest.raises(CheckpointError, match=r"holds checkpoints already \(epochs 3-4\).*--resume auto"):
+            store.resume_path(resume, restarted=False)
+    assert store.resume_path(str(store.path_for(4)), restarted=False) == str(store.path_for(4))  # its newest
+    assert store.resume_path("auto", restarted=False) == store.path_for(4)
+    assert store.resume_path(given, restarted=True) == store.path_for(4)  # a restart continues its own progress
+    assert store.resume_path("never", restarted=True) == store.path_for(4)
 
 
 def test_an_epoch_whose_monitored_metric_is_nan_is_never_kept_as_the_best(tmp_path):

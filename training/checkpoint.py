@@ -216,10 +216,21 @@ class CheckpointStore:
 
     def resume_path(self, resume: str, restarted: bool) -> str | Path | None:
         """What a worker resumes from: a first attempt, what `resume` says (auto: the folder's newest, if any); a
-        restart (`restarted`) continues from the folder's newest once it has one, whatever `resume` says."""
+        restart (`restarted`) continues from the folder's newest once it has one, whatever `resume` says. A first
+        attempt that would not continue the folder's newest is refused a folder holding checkpoints already."""
+        epochs = self.epochs()
+        latest = self.path_for(epochs[-1]) if epochs else None
         if not restarted and resume != "auto":
-            return None if resume == "never" else resume  # a file given is the file used, whatever the folder holds
-        latest = self.latest()
+            if latest is not None and (resume == "never" or Path(resume).resolve() != latest.resolve()):
+                # its files would be overwritten, retention would keep theirs over this run's (higher epochs), and a
+                # restart would continue from them
+                start = "starting afresh" if resume == "never" else f"starting from {resume!r}"
+                raise CheckpointError(f"checkpoint_dir {str(self.folder)!r} holds checkpoints already (epochs "
+                                      f"{epochs[0]}-{epochs[-1]}); {start} there would mix this run's epochs with "
+                                      "them (the newest kept, and a restart's resume, would be theirs): give an empty "
+                                      "checkpoint_dir (or move them away), or --resume auto to continue from the "
+                                      "newest")
+            return None if resume == "never" else resume
         return latest if latest is not None or resume in ("auto", "never") else resume
 
     def latest(self) -> Path | None:

@@ -21,8 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .checkpoint import (CheckpointStore, clean_state_dict, load_file, model_state, rng_state, set_rng_state, to_cpu,
-                         unwrap)
+from .checkpoint import CheckpointStore, clean_state_dict, model_state, rng_state, set_rng_state, to_cpu, unwrap
 from .files import write_json_atomic
 from .contract import METRICS_FILE_ENV, OUTPUT_DIR_ENV, RunFolder, ranks
 from .metrics import EXAMPLE_STEM, MODEL_FILE, format_line
@@ -85,12 +84,18 @@ def checkpoints() -> CheckpointStore:
 
 
 def resume(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
-    """Load the newest checkpoint into `model` (and `optimizer`) on every rank and restore the random generators;
-    the epochs it had done (0 when there is none), so `range(resume(...), epochs)` continues with the next one."""
-    path = checkpoints().latest()
+    """Load rank 0's newest checkpoint into `model` (and `optimizer`) on every rank and restore the random
+    generators; the epochs it had done (0 when there is none), so `range(resume(...), epochs)` continues with the
+    next one. Called after the process group is initialized, every rank takes rank 0's file (only rank 0 saves:
+    another machine's ranks have none of their own); before, each takes its own folder's."""
+    from .distributed import broadcast_from_main, load_on_every_rank
+
+    group = _group()
+    latest = checkpoints().latest() if group.is_main else None
+    path = broadcast_from_main(latest and str(latest), group)
     if path is None:
         return 0
-    payload = load_file(path)
+    payload = load_on_every_rank(path, group)
     unwrap(model).load_state_dict(payload["model"], strict=True)
     if optimizer is not None and "optimizer" in payload:
         optimizer.load_state_dict(payload["optimizer"])
@@ -99,3 +104,15 @@ def resume(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> 
     print(f"[rank {ranks().rank}] resumed from {path} (epoch {payload['epoch']})", flush=True)
     return int(payload["epoch"])
 
+
+def _group():
+    """The script's process group, as gpuflow's collectives take it (one process without one)."""
+    import torch.distributed as dist
+
+    from .distributed import DistContext
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return DistContext(0, 1, torch.device("cpu"), "single")  # its own folder's
+    on_cards = dist.get_backend() == "nccl"  # NCCL's collectives take the rank's card's tensors
+    return DistContext(dist.get_rank(), dist.get_world_size(),
+                       torch.device("cuda", torch.cuda.current_device()) if on_cards else torch.device("cpu"), "ddp")
