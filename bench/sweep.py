@@ -7,7 +7,12 @@ trials), no pruner, `--trials` trials of `--epochs` epochs over lr (log float) a
  1. `gpuflow sweep --parallel 2 --gpus cpu` against (a) one Optuna process (study.optimize,
     n_jobs=1) whose objective runs bench/bare_ddp.py in a subprocess, one trial at a time, goal
     sweep <= 0.6 x its wall; (b) two Optuna processes on one SQLite study (the second seeded
-    seed + 1, else both draw the same values), each running half the trials, goal <= 1.10 x.
+    seed + 1, else both draw the same values), each running half the trials, goal <= 1.10 x;
+    (c) with `--ray PYTHON` (a Python with Ray Tune installed, not a gpuflow dependency), Ray Tune
+    with the same TPE sampler through its OptunaSearch, 2 trials at a time, no scheduler
+    (bench/ray_tune.py), each trial the bare script in a subprocess as above, and (d) each trial's
+    loop in Ray's own worker (Ray's way: workers reused, torch imported once each); goal sweep
+    <= 1.0 x.
  2. The sweep's slot utilisation: sum of its trial runs' MLflow durations / (2 slots x wall).
  3. The sweep with `--pruner median` vs `--pruner none` on longer epochs (synthetic data, epochs
     longer than the metrics relay's poll): epochs trained (val_accuracy points of the trial runs)
@@ -15,7 +20,7 @@ trials), no pruner, `--trials` trials of `--epochs` epochs over lr (log float) a
  4. kill -9 of the sweep once half its budget is COMPLETE (a trial training), then the same
     command again: trials lost, zombies (RUNNING trials or MLflow runs), duplicates; goal 0, 0, 0.
 
-    python -m bench.sweep [--repeats 2] [--trials 8] [--epochs 2] [--write]
+    python -m bench.sweep [--repeats 2] [--trials 8] [--epochs 2] [--ray PYTHON] [--write]
 """
 
 from __future__ import annotations
@@ -43,7 +48,8 @@ from tests.servers import prefect_server
 SPACE = "lr: {type: float, low: 1.0e-3, high: 0.1, log: true}\noptimizer: {type: choice, values: [adam, sgd]}\n"
 BARE = ROOT / "bench" / "bare_ddp.py"
 SLOTS = 2  # --parallel 2: one CPU slot (one process) per trial
-LOOP_GOAL, PAIR_GOAL, SAVED_GOAL, SCORE_GOAL = 0.6, 1.10, 0.30, 0.01
+LOOP_GOAL, PAIR_GOAL, RAY_GOAL, SAVED_GOAL, SCORE_GOAL = 0.6, 1.10, 1.0, 0.30, 0.01
+RAY_ARMS = {"ray": "bare script", "ray_own": "the loop in Ray's worker"}  # bench/ray_tune.py, with --ray
 optuna.logging.set_verbosity(optuna.logging.WARNING)  # here and in the Optuna processes
 
 
@@ -92,6 +98,20 @@ def optuna_arm(tmp: Path, a, processes: int) -> tuple[float, dict]:
     done = optuna.load_study(study_name="plain", storage=storage).get_trials(deepcopy=False)
     busy = sum((t.datetime_complete - t.datetime_start).total_seconds() for t in done)
     return wall, {"busy": busy / (SLOTS * wall), "best": max(t.value for t in done)}
+
+
+def ray_arm(tmp: Path, a, in_process: bool) -> tuple[float, dict]:
+    """Wall of Ray Tune running the same trials (bench/ray_tune.py, in `a.ray`, the Python that has Ray)."""
+    start = time.perf_counter()
+    out = subprocess.run([a.ray, "-m", "bench.ray_tune", "--space", str(tmp.parent / "space.yaml"), "--storage",
+                          str(tmp / "ray"), "--python", PY, "--trials", str(a.trials), "--epochs", str(a.epochs),
+                          "--seed", str(a.seed), *(["--in-process"] if in_process else [])],
+                         cwd=ROOT, env=env(), capture_output=True, text=True, timeout=1800)
+    wall = time.perf_counter() - start
+    if out.returncode != 0:
+        raise RuntimeError(f"the Ray Tune arm failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
+    got = json_lines(out.stdout)[-1]
+    return wall, {"busy": got["trial_s"] / (SLOTS * wall), "best": got["best"]}
 
 
 def sweep_cmd(tmp: Path, a, **opts) -> list[str]:
@@ -189,6 +209,7 @@ def crash(tmp: Path, a, api: dict) -> dict:
             "cut_off": sum("cut_off" in t.user_attrs for t in s.trials), "complete_at_kill": len(complete),
             "killed_runs": sum(r.info.status == "KILLED" for r in runs)}
 
+
 def beside() -> tuple[float, int]:
     """The 1-minute load and the pytest processes on the machine (a test run beside the benchmark)."""
     tests = [p for p in psutil.process_iter(["cmdline"]) if "pytest" in " ".join(p.info["cmdline"] or [])]
@@ -202,7 +223,7 @@ def _met(q: dict, goal: float) -> str:
 def table(res: dict) -> str:
     w, d, p, c = res["walls"], res["details"], res["pruning"], res["crash"]
     med = {k: statistics.median(v) for k, v in w.items()}
-    ratio = {k: summary([s / b for s, b in zip(w["sweep"], w[k], strict=True)]) for k in ("loop", "pair")}
+    ratio = {k: summary([s / b for s, b in zip(w["sweep"], w[k], strict=True)]) for k in w if k != "sweep"}
     busy = {k: statistics.median(x["busy"] for x in v) for k, v in d.items()}
     saved = 1 - p["median"]["epochs"] / p["none"]["epochs"]
     gap = 1 - p["median"]["best"] / p["none"]["best"]
@@ -214,6 +235,8 @@ def table(res: dict) -> str:
         f"{_met(ratio['loop'], LOOP_GOAL)} |",
         f"| sweep / two Optuna processes on one study <= {PAIR_GOAL} | {r['pair']}; {med['sweep']:.1f} s vs "
         f"{med['pair']:.1f} s | {_met(ratio['pair'], PAIR_GOAL)} |",
+        *(f"| sweep / Ray Tune (same sampler, no scheduler), {how} <= {RAY_GOAL} | {r[k]}; {med['sweep']:.1f} s vs "
+          f"{med[k]:.1f} s | {_met(ratio[k], RAY_GOAL)} |" for k, how in RAY_ARMS.items() if k in w),
         f"| (information) sweep's slot utilisation, trial runs / ({SLOTS} slots x wall) | {busy['sweep']:.0%} | |",
         f"| pruning: >= {SAVED_GOAL:.0%} fewer epochs | {saved:.0%} ({p['median']['epochs']} vs "
         f"{p['none']['epochs']} epochs, {p['median']['pruned']} trials pruned) | "
@@ -226,7 +249,9 @@ def table(res: dict) -> str:
         "|---|---|---|---|",
         *(f"| {label} | {fmt(summary(w[k]), 1)} | {statistics.median(x['best'] for x in d[k]):.4f} | {busy[k]:.0%} |"
           for k, label in (("sweep", "`gpuflow sweep --parallel 2`"), ("loop", "one Optuna loop, bare script"),
-                           ("pair", "two Optuna processes, one SQLite study, bare script"))),
+                           ("pair", "two Optuna processes, one SQLite study, bare script"),
+                           *((k, f"Ray Tune, OptunaSearch, 2 at a time, {how}") for k, how in RAY_ARMS.items()))
+          if k in w),
         *(f"| pruner {k}: synthetic {res['args']['prune_size']}, {res['args']['prune_epochs']} epochs | "
           f"{v['wall']:.1f} | {v['best']:.4f} | |" for k, v in p.items()), "",
         textwrap.fill(f"Crash: killed with {c['complete_at_kill']} trials COMPLETE; {c['strays']} of its processes "
@@ -257,6 +282,9 @@ def main(argv=None) -> dict:
     p.add_argument("--seed", type=int, default=1, help="the TPE sampler's")
     p.add_argument("--prune-epochs", type=int, default=6)
     p.add_argument("--prune-size", type=int, default=50000, help="synthetic samples of the pruning sweeps")
+    p.add_argument("--ray", metavar="PYTHON", help="a Python with ray[tune] installed and the project's packages "
+                   "importable (a venv whose site-packages holds a .pth line `import site; site.addsitedir('<this "
+                   ".venv's site-packages>')`): adds the two Ray Tune arms")
     p.add_argument("--write", action="store_true", help="append a dated section to bench/RESULTS.md")
     a = p.parse_args(argv)
     before = beside()
@@ -267,7 +295,7 @@ def main(argv=None) -> dict:
         server, url = prefect_server(tmp / "prefect-home", env())
         api = {"PREFECT_API_URL": url, "PREFECT_HOME": str(tmp / "prefect-home"),
                "GPUFLOW_LOCK_DIR": str(tmp / "locks")}
-        details: dict[str, list[dict]] = {"sweep": [], "loop": [], "pair": []}
+        details: dict[str, list[dict]] = {k: [] for k in ("sweep", "loop", "pair", *(RAY_ARMS if a.ray else ()))}
 
         def arm(name: str, timed):
             def go() -> float:
@@ -279,7 +307,9 @@ def main(argv=None) -> dict:
         with server:
             walls = interleaved(a.repeats, {"sweep": arm("sweep", lambda f: sweep_arm(f, a, api)),
                                             "loop": arm("loop", lambda f: optuna_arm(f, a, 1)),
-                                            "pair": arm("pair", lambda f: optuna_arm(f, a, 2))})
+                                            "pair": arm("pair", lambda f: optuna_arm(f, a, 2)),
+                                            **({k: arm(k, lambda f, k=k: ray_arm(f, a, k == "ray_own"))
+                                                for k in RAY_ARMS} if a.ray else {})})
             res = {"args": vars(a), "walls": walls, "details": details, "pruning": pruning(tmp, a, api),
                    "crash": crash(tmp, a, api), "beside": (before, beside())}
     text = table(res)

@@ -370,6 +370,34 @@ def test_the_helper_resumes_the_model_optimizer_and_random_streams(tmp_path, mon
     assert fresh_opt.state_dict()["state"][0]["step"] == opt.state_dict()["state"][0]["step"]
 
 
+def test_the_helper_gives_a_scheduler_and_a_scaler_their_saved_state_back(tmp_path, monkeypatch):
+    # save_checkpoint(**extra) stored what a scheduler or a scaler is, and resume() gave back the epoch alone: a
+    # resumed script's learning rate schedule started over.
+    from gpuflow.training import helper
+    from gpuflow.training.checkpoint import CheckpointError
+
+    monkeypatch.setenv("GPUFLOW_OUTPUT_DIR", str(tmp_path / "out"))
+    monkeypatch.delenv("RANK", raising=False)
+
+    def parts():
+        model = torch.nn.Linear(2, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        return model, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5), torch.amp.GradScaler("cpu")
+
+    model, opt, sched, scaler = parts()
+    for _ in range(3):
+        opt.step()
+        sched.step()
+    scaler.scale(torch.tensor(1.0))
+    scaler.update(2.0 ** 7)
+    helper.save_checkpoint(model, opt, epoch=3, scheduler=sched, scaler=scaler, note="plain values stay as given")
+    model, opt, sched, scaler = parts()
+    assert helper.resume(model, opt, scheduler=sched, scaler=scaler) == 3
+    assert sched.last_epoch == 3 and opt.param_groups[0]["lr"] == 0.125 and scaler.get_scale() == 2.0 ** 7
+    with pytest.raises(CheckpointError, match="holds no warmup .*save_checkpoint\\(..., warmup=...\\)"):
+        helper.resume(*parts()[:2], warmup=parts()[2])
+
+
 ON_TWO_MACHINES = """\
 import json, os, sys, torch, torch.distributed as dist
 dist.init_process_group("gloo")

@@ -3,11 +3,11 @@
     from gpuflow.training import helper
 
     helper.declare_model("mynet:Net", width=64)      # what the registry rebuilds, once
-    start = helper.resume(model, optimizer)          # epochs already done (0 on a fresh start)
+    start = helper.resume(model, optimizer, scheduler=scheduler)  # epochs already done (0 on a fresh start)
     for epoch in range(start, epochs):
         ...
         helper.report({"loss": loss}, step=epoch + 1)   # live in the flow's MLflow run
-        helper.save_checkpoint(model, optimizer, epoch=epoch + 1)
+        helper.save_checkpoint(model, optimizer, epoch=epoch + 1, scheduler=scheduler)
 
 Every call may be made on every rank: reports and checkpoints are global rank 0's only. Under the flow, files
 go to the run's output folder and metrics live to MLflow; under plain torchrun, files go to ./gpuflow-output.
@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .checkpoint import CheckpointStore, clean_state_dict, model_state, rng_state, set_rng_state, to_cpu, unwrap
+from .checkpoint import (CheckpointError, CheckpointStore, clean_state_dict, model_state, rng_state, set_rng_state,
+                         to_cpu, unwrap)
 from .files import write_json_atomic
 from .contract import METRICS_FILE_ENV, OUTPUT_DIR_ENV, RunFolder, ranks
 from .metrics import EXAMPLE_STEM, MODEL_FILE, format_line
@@ -68,10 +69,12 @@ def declare_model(reference: str, *, input_example=None, **kwargs) -> None:
 def save_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, epoch: int,
                     **extra) -> Path | None:
     """Write checkpoints/epoch-<epoch>.pt atomically on rank 0: the unwrapped model's state dict, the optimizer's,
-    `epoch` (epochs done), the random generators' states and `extra` tensors or plain values. The path on rank 0,
-    else None."""
+    `epoch` (epochs done), the random generators' states and `extra`: tensors, plain values, or objects with a
+    state_dict() (a scheduler, a GradScaler), whose state dict is saved and which resume() restores by the same
+    name. The path on rank 0, else None."""
     if not is_main():
         return None
+    extra = {k: to_cpu(v.state_dict()) if callable(getattr(v, "state_dict", None)) else v for k, v in extra.items()}
     payload = {"model": clean_state_dict(model_state(model)), "epoch": int(epoch), "rng": rng_state(), **extra}
     if optimizer is not None:
         payload["optimizer"] = to_cpu(optimizer.state_dict())
@@ -83,11 +86,12 @@ def checkpoints() -> CheckpointStore:
     return CheckpointStore(output_dir() / "checkpoints")
 
 
-def resume(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
-    """Load rank 0's newest checkpoint into `model` (and `optimizer`) on every rank and restore the random
-    generators; the epochs it had done (0 when there is none), so `range(resume(...), epochs)` continues with the
-    next one. Called after the process group is initialized, every rank takes rank 0's file (only rank 0 saves:
-    another machine's ranks have none of their own); before, each takes its own folder's."""
+def resume(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, **objects) -> int:
+    """Load rank 0's newest checkpoint into `model` (and `optimizer`, and each of `objects`, a scheduler or a
+    GradScaler saved by save_checkpoint under the same name) on every rank and restore the random generators; the
+    epochs it had done (0 when there is none), so `range(resume(...), epochs)` continues with the next one. Called
+    after the process group is initialized, every rank takes rank 0's file (only rank 0 saves: another machine's
+    ranks have none of their own); before, each takes its own folder's."""
     from .distributed import broadcast_from_main, load_on_every_rank
 
     group = _group()
@@ -96,9 +100,14 @@ def resume(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> 
     if path is None:
         return 0
     payload = load_on_every_rank(path, group)
+    if missing := [k for k in objects if k not in payload]:  # before anything is loaded: all or nothing
+        raise CheckpointError(f"checkpoint {path!r} holds no {', '.join(missing)} (it holds "
+                              f"{', '.join(sorted(payload))}); save_checkpoint(..., {missing[0]}=...) saves one")
     unwrap(model).load_state_dict(payload["model"], strict=True)
     if optimizer is not None and "optimizer" in payload:
         optimizer.load_state_dict(payload["optimizer"])
+    for name, obj in objects.items():
+        obj.load_state_dict(payload[name])
     if "rng" in payload:
         set_rng_state(payload["rng"])
     print(f"[rank {ranks().rank}] resumed from {path} (epoch {payload['epoch']})", flush=True)
