@@ -87,6 +87,39 @@ def test_a_first_attempt_is_refused_a_folder_holding_another_runs_checkpoints(tm
     assert store.resume_path("never", restarted=True) == store.path_for(4)
 
 
+class OwnModule(torch.nn.Module):
+    """A model whose only child is named `module`, as a wrapper's is: every key starts with `module.`."""
+
+    def __init__(self):
+        super().__init__()
+        self.module = torch.nn.Linear(3, 2)
+
+
+def test_a_model_whose_only_child_is_named_module_loads_its_checkpoint_stripped_of_that_prefix(tmp_path, monkeypatch):
+    # A checkpoint's keys lose a wrapper's `module.`; this model's own went too (the two look alike), and the
+    # strict loads of the helper's resume and of the registered model refused the model's own checkpoint.
+    from types import SimpleNamespace
+
+    from gpuflow.tasks.tracking.registered_model import CheckpointModel
+    from gpuflow.training import helper
+
+    monkeypatch.setenv("GPUFLOW_OUTPUT_DIR", str(tmp_path / "out"))
+    monkeypatch.delenv("RANK", raising=False)
+    model = OwnModule()
+    saved = load_file(helper.save_checkpoint(model, epoch=1))["model"]
+    assert set(saved) == {"weight", "bias"}
+    fresh = OwnModule()
+    assert helper.resume(fresh) == 1
+    torch.testing.assert_close(fresh.module.weight, model.module.weight)
+    weights = tmp_path / "model" / "artifacts" / "weights.pt"
+    weights.parent.mkdir(parents=True)
+    torch.save(saved, weights)
+    registered = CheckpointModel()
+    registered.load_context(SimpleNamespace(model_config={"reference": f"{__name__}:OwnModule", "kwargs": {}},
+                                            artifacts={"weights": str(weights)}))
+    torch.testing.assert_close(registered.model.module.weight, model.module.weight)
+
+
 def test_an_epoch_whose_monitored_metric_is_nan_is_never_kept_as_the_best(tmp_path):
     # A user metric can be NaN for an epoch (an AUC on a one-class split); no comparison with NaN is true, so it
     # stayed "best" and the real best was deleted.

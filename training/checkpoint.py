@@ -70,8 +70,10 @@ def load_model_state(model: nn.Module, state: dict, source: str = "checkpoint") 
     """Load a (possibly prefixed) state dict into `model` or its wrapper, strictly."""
     target = unwrap(model)
     expected = set(target.state_dict())
-    if set(state) != expected:  # as saved by a wrapper
+    if set(state) != expected:  # as saved by a wrapper; or stripped of a prefix that is the model's own
         state = clean_state_dict(state)
+        if own := next((p for p in PREFIXES if {p + k for k in state} == expected), None):  # a child named module
+            state = OrderedDict((own + k, v) for k, v in state.items())
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or unexpected:
         raise CheckpointError(

@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .checkpoint import (CheckpointError, CheckpointStore, clean_state_dict, model_state, rng_state, set_rng_state,
-                         to_cpu, unwrap)
+from .checkpoint import (CheckpointError, CheckpointStore, clean_state_dict, load_model_state, model_state, rng_state,
+                         set_rng_state, to_cpu)
 from .files import write_json_atomic
 from .contract import METRICS_FILE_ENV, OUTPUT_DIR_ENV, RunFolder, ranks
 from .metrics import EXAMPLE_STEM, MODEL_FILE, format_line
@@ -103,7 +103,7 @@ def resume(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, **o
     if missing := [k for k in objects if k not in payload]:  # before anything is loaded: all or nothing
         raise CheckpointError(f"checkpoint {path!r} holds no {', '.join(missing)} (it holds "
                               f"{', '.join(sorted(payload))}); save_checkpoint(..., {missing[0]}=...) saves one")
-    unwrap(model).load_state_dict(payload["model"], strict=True)
+    load_model_state(model, payload["model"], source=f"checkpoint {path!r}")
     if optimizer is not None and "optimizer" in payload:
         optimizer.load_state_dict(payload["optimizer"])
     for name, obj in objects.items():

@@ -59,7 +59,12 @@ class CheckpointModel(PythonModel):
         weights = Path(context.artifacts["weights"])
         code = (weights.parent.parent / "code").resolve()
         self.model = _import(spec["reference"], code)(**spec["kwargs"])
-        self.model.load_state_dict(torch.load(weights, map_location="cpu", weights_only=True), strict=True)
+        state = torch.load(weights, map_location="cpu", weights_only=True)
+        own = set(self.model.state_dict())
+        for prefix in ("module.", "_orig_mod."):  # the model's own child named so, which its saved keys lost
+            if set(state) != own and {prefix + k for k in state} == own:
+                state = {prefix + k: v for k, v in state.items()}
+        self.model.load_state_dict(state, strict=True)
         self.model.eval()
 
     # np.ndarray: the hint MLflow reads as "validate by the signature, not the hint"; dicts pass too
