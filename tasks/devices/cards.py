@@ -10,13 +10,14 @@ import itertools
 import logging
 import os
 import pwd
+import stat
 import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gpuflow.training.errors import UserError
+from gpuflow.training.cardlock import CardLockError, open_lock_file
 
 if TYPE_CHECKING:  # assign.py imports this module
     from .assign import DevicePlan
@@ -25,10 +26,6 @@ if TYPE_CHECKING:  # assign.py imports this module
 RANKS_WAIT_S = 30.0  # how long a run waits for the processes of an ended run to leave a card
 PROBE_HOLD_S = 2.0  # how long a card may be held by another run's look at which cards are free
 log = logging.getLogger(__name__)
-
-
-class CardLockError(UserError):
-    """A card lock file or its folder cannot be used by this user; the message says how to fix it."""
 
 
 def lock_dir() -> Path:
@@ -43,10 +40,12 @@ def user_name(uid: int) -> str:
 
 
 def make_shared_dir(folder: Path) -> None:
-    """Create the lock folder writable by every user (sticky: nobody removes another's file)."""
+    """Create the lock folder writable by every user (sticky: nobody removes another's file); an existing one must be
+    a folder (not a link) of root's or this user's that no other account can swap files in, else CardLockError."""
     try:
         folder.mkdir(parents=True)
     except FileExistsError:
+        _check_lock_folder(folder)
         return
     except PermissionError:
         raise CardLockError(f"cannot create the card lock folder {folder}; set GPUFLOW_LOCK_DIR to a "
@@ -54,10 +53,27 @@ def make_shared_dir(folder: Path) -> None:
     os.chmod(folder, 0o1777)  # mkdir's mode is cut by the umask
 
 
+def _check_lock_folder(folder: Path) -> None:
+    """Refuse a folder in which another account could plant or swap this run's lock files (as links to its files)."""
+    st = folder.lstat()
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        why = "is a symbolic link" if stat.S_ISLNK(st.st_mode) else "is not a folder"
+    elif st.st_uid not in (0, os.geteuid()):
+        why = "belongs to another account"
+    elif st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+        why = "is writable by other accounts without the sticky bit"
+    else:
+        return
+    raise CardLockError(f"the card lock folder {folder} {why} (owner {user_name(st.st_uid)}, mode "
+                        f"{st.st_mode & 0o7777:o}), so another account could make this run overwrite a file; remove "
+                        "it (a folder root makes, mode 1777, is shared safely), or set GPUFLOW_LOCK_DIR to a folder "
+                        "of your own")
+
+
 def _open_shared(path: Path) -> int:
     """Open a lock file that every user of the machine can open too (created mode 0666)."""
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
+        fd = open_lock_file(path, os.O_RDWR | os.O_CREAT | os.O_EXCL)
     except FileExistsError:
         pass
     except PermissionError:
@@ -68,9 +84,9 @@ def _open_shared(path: Path) -> int:
         os.fchmod(fd, 0o666)  # whatever this process's umask
         return fd
     try:  # no O_CREAT: with fs.protected_regular it is refused on another user's file in a sticky folder
-        return os.open(path, os.O_RDWR)
+        return open_lock_file(path, os.O_RDWR)
     except PermissionError:
-        st = path.stat()
+        st = path.lstat()
         raise CardLockError(f"card lock file {path} belongs to {user_name(st.st_uid)} with mode "
                             f"{st.st_mode & 0o777:o} and this user cannot open it; have its owner run "
                             f"`chmod 666 {path}` (or remove it)") from None

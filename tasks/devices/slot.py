@@ -9,13 +9,14 @@ import fcntl
 import logging
 import os
 import socket
-import stat
 import tempfile
 import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
 from uuid import UUID
+
+from gpuflow.training.cardlock import CardLockError, open_lock_file
 
 from .cards import lock_dir, make_shared_dir, user_name
 
@@ -117,13 +118,11 @@ def _release_dead_holders(client, name: str) -> tuple[list[str], int]:
         lease = _lease_of(path)
         if lease is None:
             continue  # a stray or planted name: nothing to release
-        try:  # never follow a link, never block on a FIFO planted under that name
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except OSError:
-            continue  # its holder just left, or it is no plain file
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                continue
+            fd = open_lock_file(path, os.O_RDONLY)
+        except (OSError, CardLockError):
+            continue  # its holder just left, or it is no plain file (planted under that name)
+        try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
             holders.append(os.read(fd, 400).decode(errors="replace"))
