@@ -1,16 +1,17 @@
 """The operator's policy (training/policy.py) for served deployments' runs, built from `gpuflow serve`'s
 options and applied to each job's parameters at its door (flows/calls.py `admit`); a local run is not checked.
-Serve hands it to its runs and their children through `POLICY_ENV`.
+Serve hands it to its runs and their children as a private file named by `POLICY_FILE_ENV`.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+from contextlib import contextmanager
 
 from prefect.runtime import deployment, flow_run
 
-from gpuflow.training.policy import POLICY_ENV, NotAllowed, Policy  # noqa: F401  (NotAllowed: the door's refusal)
+from gpuflow.training.policy import POLICY_FILE_ENV, NotAllowed, Policy  # noqa: F401  (NotAllowed: the door's refusal)
 
 from .settings import Settings
 
@@ -24,9 +25,17 @@ def operator_policy(settings: Settings) -> Policy:
                   absolute_uri(default_tracking_uri()), tuple(settings.allowed_stores))
 
 
-def hand_on(policy: Policy) -> None:
-    """Serve's runs and their children apply this policy (set in the serve process's environment)."""
-    os.environ[POLICY_ENV] = policy.to_env()
+@contextmanager
+def handed_on(policy: Policy):
+    """Serve's (or a node's) runs and their children apply this policy while in the block: written to a 0600 file
+    of this account, named in this process's environment (theirs is this one's: no caller sets it), removed after."""
+    path = policy.write_private()
+    os.environ[POLICY_FILE_ENV] = str(path)
+    try:
+        yield path
+    finally:
+        os.environ.pop(POLICY_FILE_ENV, None)
+        path.unlink(missing_ok=True)
 
 
 def deployment_id() -> str | None:
@@ -51,6 +60,12 @@ def current_policy(settings: Settings | None = None) -> Policy | None:
 
 
 def check_allowed(params, settings: Settings | None = None) -> None:
-    """In a deployment's run, refuse `params` (a flow's, validated or as sent) naming what the policy does not allow."""
+    """In a deployment's run, refuse `params` (a flow's, validated or as sent) naming what the policy does not allow;
+    job variables sent with the run are said to be ignored (serve's runner and gpuflow's node worker ignore them)."""
     if policy := current_policy(settings):
+        if sent := flow_run.get_job_variables():
+            from prefect import get_run_logger
+
+            get_run_logger().warning("ignored the job variables sent with this run (%s): a served run's command, "
+                                     "environment and folder are its operator's", ", ".join(sorted(sent)))
         policy.check_params(params)

@@ -24,10 +24,14 @@ from gpuflow.training.errors import UserError
 from .calls import flat_parameters, one_line
 from .job import PLACED_RESULT, Placement, parent_run, run_job
 from .launchers import Script, Worker
+from .nodeauth import read_key, seal_values
 from .params import PipelineParams, ScriptParams
 from .rendezvous import POLL_S, NodeFailed, NodeJob, as_a_node, node_name, rdzv_variable
 from .watch import watch
 from .session import current_name
+
+
+EXPIRY_GRACE_S = 60  # a node job's life past the parent's start deadline: clocks of the machines may differ
 
 
 class NodeParams(PipelineParams):
@@ -43,6 +47,7 @@ def place(launcher) -> dict:
     """The parent's part of a run with nodes > 1: one MLflow run, its nodes started and watched until all end, a
     lost machine (up to max_node_failures) replaced by a spare resuming from the last logged epoch; rank 0's result."""
     params, log = launcher.params, get_run_logger()
+    key = read_key()  # before the run opens: a parent without the pool's key cannot seal its nodes' jobs
     job = job_id()
     name = current_name(params.run_name, launcher.stem)
     lost: list[tuple[str, str]] = []  # (machine, why)
@@ -72,9 +77,11 @@ def place(launcher) -> dict:
                      if params.max_node_failures else "a node lost fails the run")
             try:
                 shrunk = len(machines) if len(machines) < params.nodes else None
+                expires = time.time() + params.rdzv_timeout_s + EXPIRY_GRACE_S  # a node not started by then is lost
                 jobs = [NodeJob(id=round_id, index=i, name=m, run_id=run.run_id, round=len(lost), resume=resume,
-                                keep_all=params.max_node_failures > 0, nodes=shrunk) for i, m in enumerate(machines)]
-                watch({j.name: start_node(params, j, launcher.node_flow) for j in jobs}, params.rdzv_timeout_s)
+                                keep_all=params.max_node_failures > 0, nodes=shrunk, parent=flow_run.get_id(),
+                                expires=expires) for i, m in enumerate(machines)]
+                watch({j.name: start_node(params, j, launcher.node_flow, key) for j in jobs}, params.rdzv_timeout_s)
                 break
             except NodeFailed as e:
                 failed = e
@@ -156,8 +163,9 @@ def job_id() -> str:
     return run_id if flow_run.run_count <= 1 else f"{run_id}-a{flow_run.run_count}"
 
 
-def start_node(params, job: NodeJob, flow_name: str):
-    """The node's flow run on its machine's queue; returned at once (the parent watches it)."""
+def start_node(params, job: NodeJob, flow_name: str, key: bytes):
+    """The node's flow run on its machine's queue, its values sealed with the node key; returned at once (the parent
+    watches it)."""
     from prefect.deployments import run_deployment
 
     # the parameters as given, so that paths resolve on the node; the store is the parent's, which every node logs into
@@ -165,7 +173,7 @@ def start_node(params, job: NodeJob, flow_name: str):
     values = dict(flow_run.get_parameters()) | {"tracking_uri": absolute_uri(params.tracking_uri),
                                                  "job": job.model_dump(), "nodes": params.nodes,
                                                  "min_nodes": params.min_nodes}
-    return run_deployment(f"{flow_name}/{params.node_pool}", parameters=values, timeout=0,
+    return run_deployment(f"{flow_name}/{params.node_pool}", parameters=seal_values(values, key), timeout=0,
                           work_queue_name=job.name, idempotency_key=f"{job.id}-{job.index}",
                           flow_run_name=f"{job.name}-{job.id[:8]}")
 

@@ -9,6 +9,7 @@ import socket
 import time
 import urllib.parse
 
+from prefect import get_run_logger
 from prefect.runtime import flow_run
 from pydantic import BaseModel, Field
 
@@ -36,6 +37,11 @@ class NodeJob(BaseModel):
     keep_all: bool = Field(False, description="keep and upload every epoch's checkpoint (replacements allowed)")
     nodes: int | None = Field(None, ge=1, le=1024, description="this round's machines when fewer than nodes (a "
                               "machine lost and no spare came, with min_nodes)")
+    parent: str | None = Field(None, pattern=r"^[0-9a-f-]{36}$", description="the parent's Prefect flow run, "
+                               "which must still run when the node starts")
+    expires: float = Field(0.0, description="unix time after which the node refuses the job (its parent gave up)")
+    seal: str | None = Field(None, pattern=r"^[0-9a-f]{64}$", description="HMAC of the job and every parameter "
+                             "with the pool's node key (flows/nodeauth.py)")
 
     @property
     def folder_name(self) -> str:
@@ -74,18 +80,25 @@ def node_address() -> str:
 
 
 def rendezvous(job: NodeJob, nodes: int, timeout_s: float) -> Rendezvous:
-    """Node 0 picks a free port on its address and publishes the endpoint; the others read it."""
+    """Node 0 picks a free port on its address and publishes the endpoint, sealed with the node key for this round;
+    the others join only an endpoint so sealed (any API user can write the Variable: a forgery is passed over)."""
     from prefect.variables import Variable
 
-    address, key = node_address(), rdzv_variable(job.id)
+    from .nodeauth import read_key, seal_endpoint, sealed_endpoint
+
+    address, name, key = node_address(), rdzv_variable(job.id), read_key()
     if job.index == 0:
         with socket.socket() as s:
             s.bind((address, 0))
             endpoint = f"{address}:{s.getsockname()[1]}"
-        Variable.set(key, endpoint, overwrite=True)
+        Variable.set(name, seal_endpoint(job.id, endpoint, key), overwrite=True)
     else:
-        deadline = time.monotonic() + timeout_s
-        while (endpoint := Variable.get(key)) is None:
+        deadline, forged = time.monotonic() + timeout_s, None
+        while (endpoint := sealed_endpoint(job.id, published := Variable.get(name), key)) is None:
+            if published is not None and published != forged:
+                forged = published
+                get_run_logger().warning("passed over an endpoint in Variable %s that node 0 did not seal (written "
+                                         "by another API user); waiting for node 0's", name)
             if time.monotonic() > deadline:
                 raise NodeFailed(f"node 0 {NO_ENDPOINT} within {timeout_s:g} s")
             time.sleep(POLL_S)
@@ -106,6 +119,25 @@ def node_name() -> str:
     return f"{job.get('name', 'node')}-{str(job.get('id', ''))[:8]}"
 
 
+def admit_node_run(values: dict) -> None:
+    """A node runs only a job its parent sealed for this machine, while that parent runs, once (flows/nodeauth.py)."""
+    from prefect.client.orchestration import get_client
+
+    from .nodeauth import NODE_QUEUE_ENV, NodeRunRefused, check_job, key_path, record_job
+
+    if not (queue := os.environ.get(NODE_QUEUE_ENV)):
+        raise NodeRunRefused("refused a node run outside `gpuflow node`: a machine of the pool serves its queue with "
+                             "`gpuflow node --pool POOL`")
+    job = check_job(values, queue)
+    if job.get("parent"):
+        with get_client(sync_client=True) as client:
+            state = client.read_flow_run(job["parent"]).state
+        if state is None or not state.is_running():
+            raise NodeRunRefused(f"refused node {job['index']} of job {job['id']!r}: its parent flow run "
+                                 f"{job['parent']} is {state.type.value if state else 'not started'}, not RUNNING")
+    record_job(job, key_path().parent)
+
+
 def as_a_node(fn):
     """Run the node's flow in the folder `gpuflow node` serves from; a failure any machine would repeat ends its
     run in the state WOULD_REPEAT, which tells the parent to take no spare for it."""
@@ -114,6 +146,7 @@ def as_a_node(fn):
     def run(**values):
         os.chdir(os.environ.get(NODE_DIR_ENV, "."))
         try:
+            admit_node_run(values)
             return fn(**values)
         except Exception as e:  # noqa: BLE001 - only what would repeat is told apart
             if not would_repeat(e):

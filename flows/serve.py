@@ -19,7 +19,8 @@ from gpuflow.tasks.devices.slot import DEVICE_LIMIT, limit_exists
 from gpuflow.training.contract import NODE_DIR_ENV
 from gpuflow.training.errors import UserError
 
-from .allow import hand_on, operator_policy
+from .allow import handed_on, operator_policy
+from .nodeauth import NODE_QUEUE_ENV, make_node_key
 from .infer import evaluate_model
 from .nodes import script_node, train_node
 from .retrain import retrain
@@ -91,8 +92,9 @@ def main(settings: Settings | None = None) -> None:
 
     settings = settings or Settings()
     served = deployments(settings)  # a bad schedule refused before any server is asked
-    hand_on(operator_policy(settings))  # the runs this process starts, and their children, apply it
-    with temporary_settings(updates={PREFECT_API_URL: PREFECT_API_URL.value() or settings.prefect_api_url}):
+    # the runs this process starts, and their children, apply it
+    with handed_on(operator_policy(settings)), \
+            temporary_settings(updates={PREFECT_API_URL: PREFECT_API_URL.value() or settings.prefect_api_url}):
         ensure_device_limit()
         interrupt_on_ctrl_c()
         # a deployment run starts within 2 s of being asked for, not Prefect's 10
@@ -120,19 +122,47 @@ def serve_node(service: NodeService) -> int:
         raise UserError("a node serves the Prefect server the team shares: set PREFECT_API_URL to it "
                         "(e.g. http://10.0.0.5:4200/api), as on the machine that starts the runs")
     name = service.name or socket.gethostname().split(".")[0]
+    key, made = make_node_key()  # before anything is served: a node without the key could admit no job
+    if made:
+        print(f"gpuflow node: made this pool's node key {key} (0600); copy it, 0600, to every machine of the pool "
+              "and every account that places runs (GPUFLOW_NODE_KEY names where it is)", file=sys.stderr)
     with get_client(sync_client=True) as client:
         # machines starting together race to make the pool and the deployment: either wins
         with suppress(ObjectAlreadyExists):
             client.create_work_pool(WorkPoolCreate(name=service.pool, type="process"))
-        with suppress(ObjectAlreadyExists):
-            client.create_work_queue(name=name, work_pool_name=service.pool, concurrency_limit=1)
+        with suppress(ObjectAlreadyExists):  # no queue limit: a run held PENDING by an API caller holds no slot
+            client.create_work_queue(name=name, work_pool_name=service.pool)
+        queue = client.read_work_queue_by_name(name, work_pool_name=service.pool)
+        if queue.concurrency_limit is not None:  # made by an older gpuflow node
+            client.update_work_queue(queue.id, concurrency_limit=None)
+        crash_leftovers(client, service.pool, name)
     for node_flow in (train_node, script_node):
         node_flow.to_deployment(name=service.pool, tags=["gpuflow"], entrypoint_type=EntrypointType.MODULE_PATH,
                                 description="One machine's part of a placed run (gpuflow run --nodes N)."
                                 ).apply(work_pool_name=service.pool)
-    os.environ[NODE_DIR_ENV] = str(Path.cwd())  # the worker's flow runs inherit it
-    hand_on(operator_policy(Settings()))  # placed runs are deployment runs: this machine's operator's door
+    # the worker's flow runs inherit these, and only these: it ignores the job variables a caller sends
+    os.environ.update({NODE_DIR_ENV: str(Path.cwd()), NODE_QUEUE_ENV: name})
     os.environ.setdefault("PREFECT_WORKER_QUERY_SECONDS", "1")  # a placed run starts within 1 s, not 10
     print(f"gpuflow node: machine {name} of pool {service.pool}, serving from {Path.cwd()}", file=sys.stderr)
-    return run_supervised([sys.executable, "-m", "prefect", "worker", "start", "--pool", service.pool,
-                           "--work-queue", name, "--limit", "1", "--type", "process"])
+    with handed_on(operator_policy(Settings())):  # placed runs are deployment runs: this machine's operator's door
+        return run_supervised([sys.executable, "-m", "gpuflow.flows.nodeworker", service.pool, name,
+                               str(Path.cwd())])
+
+
+def crash_leftovers(client, pool: str, queue: str) -> None:
+    """This queue's runs left open by a node process that was killed (its machine's worker serves them alone): marked
+    Crashed at the node's next start, so that its parent and the UI see them ended."""
+    from prefect.client.schemas.filters import (FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType,
+                                                WorkPoolFilter, WorkPoolFilterName, WorkQueueFilter,
+                                                WorkQueueFilterName)
+    from prefect.client.schemas.objects import StateType
+    from prefect.states import Crashed
+
+    left = client.read_flow_runs(
+        flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(
+            any_=[StateType.PENDING, StateType.RUNNING, StateType.CANCELLING]))),
+        work_pool_filter=WorkPoolFilter(name=WorkPoolFilterName(any_=[pool])),
+        work_queue_filter=WorkQueueFilter(name=WorkQueueFilterName(any_=[queue])))
+    for run in left:
+        client.set_flow_run_state(run.id, Crashed(message=f"machine {queue}'s gpuflow node was restarted while this "
+                                                          "run was open: its process is gone"), force=True)

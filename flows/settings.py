@@ -56,6 +56,10 @@ class Settings(BaseSettings):
                               "storages a run may name besides the operator's own store (MLFLOW_TRACKING_URI, "
                               "else mlflow.db in serve's folder); none by default")
 
+    node_key: str = Field("~/.config/gpuflow/node.key", description="placed runs: the pool's node key, a 0600 "
+                          "file that `gpuflow node` makes at its first start; every machine of the pool and every "
+                          "account that places runs (gpuflow run --nodes N) needs a copy")
+
     @property
     def allowed_packages(self) -> set[str]:
         return {p.strip() for p in self.allow_code.split(",") if p.strip()}

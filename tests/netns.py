@@ -345,6 +345,7 @@ class Cluster:
     server: ServerProcess
     api_url: str
     pool: str
+    node_key: Path | None = None  # the pool's node key (GPUFLOW_NODE_KEY), which `gpuflow node` makes
 
     @property
     def nodes(self) -> list[Node]:
@@ -356,7 +357,8 @@ class Cluster:
     def env(self, **extra: str) -> dict:
         """Environment for a subprocess in the root namespace that talks to this server."""
         home = Path(self.server.env["PREFECT_HOME"]).parent / "client"
-        return _prefect_env(home, self.net.tag, PREFECT_API_URL=self.api_url, **extra)
+        key = {"GPUFLOW_NODE_KEY": str(self.node_key)} if self.node_key else {}
+        return _prefect_env(home, self.net.tag, PREFECT_API_URL=self.api_url, **key, **extra)
 
     def client_settings(self):
         """Context in which this process's Prefect client and flows use this server."""
@@ -392,13 +394,14 @@ def two_nodes(tmp: Path, names: tuple[str, ...] = ("node-a", "node-b"), query_se
     with network(names) as net:
         server, url = prefect_server_on(net, tmp / "server")
         with server:
-            cluster = Cluster(net, server, url, f"gpuflow-nodes-{net.tag}")
+            cluster = Cluster(net, server, url, f"gpuflow-nodes-{net.tag}", node_key=tmp / "node-key" / "node.key")
             try:
                 create_pool(url, cluster.pool, [n.queue for n in net.nodes])
                 for node in net.nodes:
                     node.home = tmp / node.name
                     start_worker(node, url, cluster.pool, net.tag, gpuflow_node,
-                                 PREFECT_WORKER_QUERY_SECONDS=str(query_seconds), **worker_env)
+                                 PREFECT_WORKER_QUERY_SECONDS=str(query_seconds),
+                                 GPUFLOW_NODE_KEY=str(cluster.node_key), **worker_env)
                 wait_polled(url, cluster.pool, net.nodes)
                 yield cluster
             finally:

@@ -283,3 +283,90 @@ def _ranks(pids: list[int]) -> list[str]:
         if "torch.distributed.run" in cmd or "-m gpuflow.training --config" in cmd:  # not `gpuflow node`'s reaper
             out.append(cmd[:200])
     return out
+
+
+# --- the node's door: only jobs a placed run's parent sealed (flows/nodeauth.py, flows/nodeworker.py) ----------
+
+
+def _wait_final(client, run_id, timeout: float = 60):
+    deadline = time.monotonic() + timeout
+    while not (run := client.read_flow_run(run_id)).state.is_final():
+        assert time.monotonic() < deadline, (run.name, run.state)
+        time.sleep(0.5)
+    return run
+
+
+def test_a_node_runs_no_command_job_variable_or_forged_job_and_its_queue_stays_free(cluster, tmp_path):
+    """As an API caller without the node key: a node run with a command and an environment in its job variables, a
+    job without a seal, one sealed and then changed, one left PENDING: none starts a process (no marker), each ends
+    at once, and a real placed run then runs on the same queues; a job of that run sent again is refused."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+    from prefect.states import Pending
+
+    from gpuflow.flows.nodeauth import read_key, seal_values
+
+    marker = tmp_path / "pwned"
+    job = {"id": "forged-job", "index": 0, "name": "node-a", "run_id": "0" * 32, "expires": time.time() + 600}
+    hostile = {"command": f"sh -c 'id > {marker}'",
+               "env": {"GPUFLOW_POLICY_FILE": "/dev/null", "PYTHONPATH": str(tmp_path), "LD_PRELOAD": "/x.so"},
+               "working_dir": str(tmp_path)}
+    sealed = seal_values({"job": job, "epochs": 1}, read_key(cluster.node_key))
+    altered = {**sealed, "model": f"{tmp_path / 'evil.py'}:Net"}
+    with cluster.client_settings(), get_client(sync_client=True) as client:
+        deployment = client.read_deployment_by_name(f"train-node/{cluster.pool}")
+        runs = [client.create_flow_run_from_deployment(deployment.id, parameters=values, work_queue_name="node-a",
+                                                       job_variables=hostile)
+                for values in ({"job": job}, altered)]
+        held = client.create_flow_run_from_deployment(deployment.id, parameters={"job": job}, state=Pending(),
+                                                      work_queue_name="node-b")
+        ended = [_wait_final(client, r.id) for r in runs]
+        for run, why in zip(ended, ("without a sealed job", "no holder of this pool's node key sealed")):
+            assert run.state.type.value == "CRASHED" and why in run.state.message, run.state
+            assert run.infrastructure_pid is None  # refused before any process started
+        assert not marker.exists()
+        # the placed run the caller could not start (a parent with the key) runs on both queues, one held PENDING
+        code, placed, err = finished(gpuflow(cluster, tmp_path, *JOB, "--nodes", "2", "--cpu-processes", "1",
+                                             "--node-pool", cluster.pool))
+        assert code == 0 and placed["world_size"] == 2, err[-4000:]
+        assert client.read_flow_run(held.id).state.is_pending()  # still there, holding nothing
+        client.delete_flow_run(held.id)
+        # one of its node jobs, copied with its seal intact and sent again: refused, nothing runs
+        (done,) = [r for r in client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(
+            like_="node-a-"))) if r.parameters.get("job", {}).get("run_id") == placed["run_id"]]
+        again = client.create_flow_run_from_deployment(done.deployment_id, parameters=done.parameters,
+                                                       work_queue_name="node-a")
+        run = _wait_final(client, again.id, timeout=120)
+    assert run.state.type.value == "FAILED" and "refused node 0 of job" in run.state.message, run.state
+    assert cluster.node_key.read_text().strip() not in err  # the key is never shown
+
+
+def test_a_follower_joins_only_the_endpoint_node_0_sealed(cluster):
+    """Any API user may write the rendezvous Variable: a follower passes over an endpoint without node 0's seal."""
+    from prefect import flow
+    from prefect.variables import Variable
+
+    from gpuflow.flows.nodeauth import read_key, seal_endpoint
+    from gpuflow.flows.rendezvous import NO_ENDPOINT, NodeFailed, NodeJob, rdzv_variable, rendezvous
+
+    job = NodeJob(id="rdzv-test", index=1, name="node-b", run_id="0" * 32)
+
+    @flow
+    def follow():
+        return rendezvous(job, 2, timeout_s=3).endpoint
+
+    os.environ["GPUFLOW_NODE_KEY"] = str(cluster.node_key)
+    try:
+        with cluster.client_settings():
+            Variable.set(rdzv_variable(job.id), "127.0.0.1:29999", overwrite=True)  # a caller's listener
+            with pytest.raises(NodeFailed, match=NO_ENDPOINT):
+                follow()
+            other_round = seal_endpoint("another-round", "127.0.0.1:29998", read_key())
+            Variable.set(rdzv_variable(job.id), other_round, overwrite=True)  # node 0's of another round: replayed
+            with pytest.raises(NodeFailed, match=NO_ENDPOINT):
+                follow()
+            Variable.set(rdzv_variable(job.id), seal_endpoint(job.id, "10.0.0.1:4000", read_key()), overwrite=True)
+            assert follow() == "10.0.0.1:4000"
+            Variable.unset(rdzv_variable(job.id))
+    finally:
+        del os.environ["GPUFLOW_NODE_KEY"]

@@ -5,6 +5,7 @@ a checkpoint's config, and a package's __main__. The end-to-end attacks through 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -18,7 +19,7 @@ from gpuflow.flows.calls import admit, entered, validated
 from gpuflow.flows.params import EvaluateParams, PipelineParams, SweepParams
 from gpuflow.flows.settings import Settings
 from gpuflow.training.errors import UserError
-from gpuflow.training.policy import POLICY_ENV, Policy, sqlite_file
+from gpuflow.training.policy import POLICY_FILE_ENV, NotAllowed, Policy, sqlite_file
 
 
 @pytest.fixture
@@ -33,7 +34,7 @@ def served(tmp_path, monkeypatch):
     monkeypatch.chdir(home)
     monkeypatch.syspath_prepend(str(home))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    monkeypatch.delenv(POLICY_ENV, raising=False)
+    monkeypatch.delenv(POLICY_FILE_ENV, raising=False)
     monkeypatch.setattr(allow.deployment, "get_id", lambda: "a-deployment-id")
     yield Settings(allow_code="pkgy", allow_paths=str(home))
     for name in [m for m in sys.modules if m == "pkgy" or m.startswith("pkgy.")]:
@@ -140,7 +141,7 @@ def test_the_evaluation_child_refuses_a_checkpoint_naming_code_outside_the_polic
     torch.save({"model": {}, "config": {"model": "os:system", "model_args": {"command": f"touch {marker}"},
                                         "dataset": "digits"}, "num_classes": 10}, ck)
     policy = allow.current_policy(served)
-    env = {**__import__("os").environ, POLICY_ENV: policy.to_env()}
+    env = {**__import__("os").environ, POLICY_FILE_ENV: str(policy.write_private())}
     result = tmp_path / "result.json"
     out = subprocess.run([sys.executable, "-m", "gpuflow.training.evaluate", "--checkpoint", str(ck), "--result",
                           str(result), "--device", "cpu"], env=env, capture_output=True, text=True, timeout=120)
@@ -149,15 +150,45 @@ def test_the_evaluation_child_refuses_a_checkpoint_naming_code_outside_the_polic
     assert not marker.exists()
 
 
-def test_the_policy_travels_to_children_whole():
+def test_the_policy_travels_to_children_whole(monkeypatch):
     p = Policy(frozenset({"a", "b"}), (Path("/x"), Path("/y")), "sqlite:////x/mlflow.db", ("http://h:5000",))
-    import os
-
-    os.environ[POLICY_ENV] = p.to_env()
+    path = p.write_private()
     try:
+        assert path.stat().st_mode & 0o777 == 0o600
+        monkeypatch.setenv(POLICY_FILE_ENV, str(path))
         assert Policy.from_env() == p
     finally:
-        del os.environ[POLICY_ENV]
+        path.unlink()
+
+
+def test_a_policy_in_the_environment_itself_is_never_taken(monkeypatch):
+    """A caller who could set a run's environment widens nothing with the policy's JSON (the old GPUFLOW_POLICY)."""
+    monkeypatch.delenv(POLICY_FILE_ENV, raising=False)
+    monkeypatch.setenv("GPUFLOW_POLICY", Policy(frozenset(), (Path("/"),)).to_json())
+    assert Policy.from_env() is None
+
+
+def test_a_policy_file_another_account_may_change_or_a_link_is_refused(tmp_path, monkeypatch):
+    p = Policy(frozenset(), (tmp_path,))
+    path = p.write_private()
+    try:
+        path.chmod(0o666)
+        monkeypatch.setenv(POLICY_FILE_ENV, str(path))
+        with pytest.raises(NotAllowed, match="not a file of this account that only it may change"):
+            Policy.from_env()
+        path.chmod(0o600)
+        (tmp_path / "link.json").symlink_to(path)
+        monkeypatch.setenv(POLICY_FILE_ENV, str(tmp_path / "link.json"))
+        with pytest.raises(NotAllowed, match="GPUFLOW_POLICY_FILE="):
+            Policy.from_env()
+        os.chown(path, 65534, 65534)  # another account's (we run as root in CI; skipped otherwise)
+        monkeypatch.setenv(POLICY_FILE_ENV, str(path))
+        with pytest.raises(NotAllowed, match="owner uid 65534"):
+            Policy.from_env()
+    except PermissionError:
+        pytest.skip("giving a file to another account needs root")
+    finally:
+        path.unlink()
 
 
 def test_a_local_run_passes_the_door_untouched(tmp_path, monkeypatch):
@@ -229,7 +260,7 @@ def test_a_crash_hook_never_opens_a_store_the_caller_named(served, monkeypatch):
     from gpuflow.tasks.tracking.orphans import hooked_store
 
     policy = allow.current_policy(served)
-    monkeypatch.setenv(POLICY_ENV, policy.to_env())
+    monkeypatch.setenv(POLICY_FILE_ENV, str(policy.write_private()))
     assert hooked_store("http://attacker.example:5000") == policy.home_store
     assert hooked_store(None) == policy.home_store
     assert hooked_store(policy.home_store) == policy.home_store

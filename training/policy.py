@@ -11,8 +11,10 @@ from __future__ import annotations
 import json
 import os
 import site
+import stat
 import sys
 import sysconfig
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +23,9 @@ from .uris import plain_sqlite, same_store, shown, sqlite_file
 from .refs import (REFERENCE_FIELDS, CodeReferenceError, is_file_reference, is_reference, resolve_defined, split,
                    top_package)
 
-POLICY_ENV = "GPUFLOW_POLICY"  # the served policy as JSON, for the children of a served run
+# the served policy's file (JSON, 0600, the operator's), for the children of a served run; never the policy itself,
+# which anything that can set a child's environment could then widen
+POLICY_FILE_ENV = "GPUFLOW_POLICY_FILE"
 PATH_FIELDS = ("data_root", "runs_dir", "resume", "checkpoint", "inputs", "output", "script", "space")
 CONFIG_PATHS = ("data_root", "code_root", "data_cache")  # what a checkpoint's config reads from
 
@@ -32,7 +36,7 @@ class NotAllowed(UserError):
 
 @dataclass(frozen=True)
 class Policy:
-    """What a served run may name: packages, folders and stores; children get it through POLICY_ENV."""
+    """What a served run may name: packages, folders and stores; children get it through POLICY_FILE_ENV."""
 
     packages: frozenset[str] = frozenset()
     folders: tuple[Path, ...] = ()
@@ -41,16 +45,34 @@ class Policy:
 
     # --- building and passing it on ---------------------------------------------------------
 
-    def to_env(self) -> str:
+    def to_json(self) -> str:
         return json.dumps({"packages": sorted(self.packages), "folders": list(map(str, self.folders)),
                            "home_store": self.home_store, "stores": list(self.stores)})
 
+    def write_private(self) -> Path:
+        """The policy in a new file of this account alone (0600), for POLICY_FILE_ENV; its caller removes it."""
+        fd, path = tempfile.mkstemp(prefix="gpuflow-policy-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            f.write(self.to_json())
+        return Path(path)
+
     @classmethod
     def from_env(cls) -> "Policy | None":
-        """The policy a served run handed its children, or None (a local run)."""
-        if not (raw := os.environ.get(POLICY_ENV)):
+        """The policy a served run handed its children (POLICY_FILE_ENV), or None (a local run). The file must be a
+        regular file of this account that no other may change: anything else is refused, never taken as no policy."""
+        if not (path := os.environ.get(POLICY_FILE_ENV)):
             return None
-        d = json.loads(raw)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError as e:
+            raise NotAllowed(f"{POLICY_FILE_ENV}={path!r}: {e.strerror}; the operator's `gpuflow serve` or "
+                             "`gpuflow node` hands its runs their policy file (restart it)") from None
+        with os.fdopen(fd) as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+                raise NotAllowed(f"{POLICY_FILE_ENV}={path!r} is not a file of this account that only it may "
+                                 f"change (owner uid {st.st_uid}, mode {st.st_mode & 0o777:o}); refused")
+            d = json.loads(f.read())
         return cls(frozenset(d["packages"]), tuple(Path(f) for f in d["folders"]), d["home_store"], tuple(d["stores"]))
 
     @property
