@@ -35,7 +35,7 @@ class NodeWorker(ProcessWorker):
 
     async def run(self, flow_run, configuration, task_status=None):
         """The flow run as its operator set the node up, whatever the pool's template and job variables say."""
-        entrypoint = self.admit(flow_run)  # the node's door says that job variables sent were ignored
+        entrypoint = self.node_flow_of(flow_run)  # the node's door says that job variables sent were ignored
         fixed = await ProcessJobConfiguration.from_template_and_values(
             ProcessWorker.get_default_base_job_template(),
             {"command": command_to_string([sys.executable, "-m", "prefect.engine"]), "working_dir": self.folder},
@@ -45,7 +45,7 @@ class NodeWorker(ProcessWorker):
         fixed.env[FLOW_ENTRYPOINT_ENV] = entrypoint
         return await super().run(flow_run, fixed, task_status)
 
-    def admit(self, flow_run) -> str:
+    def node_flow_of(self, flow_run) -> str:
         """The entrypoint of the run's node flow, or NodeRunRefused (the run is then reported crashed, its slot
         free at once): a run of no node deployment of this pool, or whose job is not sealed for this machine."""
         entrypoint = self.flows.get(flow_run.deployment_id)

@@ -125,13 +125,12 @@ def admit_node_run(values: dict) -> None:
 
     from .nodeauth import NODE_QUEUE_ENV, NodeRunRefused, check_job, key_path, record_job
 
-    if not (queue := os.environ.get(NODE_QUEUE_ENV)):
-        raise NodeRunRefused("refused a node run outside `gpuflow node`: a machine of the pool serves its queue with "
-                             "`gpuflow node --pool POOL`")
-    job = check_job(values, queue)
+    with get_client(sync_client=True) as client:
+        # under another worker (a Kubernetes pool's): the queue the run came through, which the job must name
+        queue = os.environ.get(NODE_QUEUE_ENV) or client.read_flow_run(flow_run.get_id()).work_queue_name
+        job = check_job(values, queue)
+        state = client.read_flow_run(job["parent"]).state if job.get("parent") else None
     if job.get("parent"):
-        with get_client(sync_client=True) as client:
-            state = client.read_flow_run(job["parent"]).state
         if state is None or not state.is_running():
             raise NodeRunRefused(f"refused node {job['index']} of job {job['id']!r}: its parent flow run "
                                  f"{job['parent']} is {state.type.value if state else 'not started'}, not RUNNING")
