@@ -4,6 +4,7 @@ and stopped in order, with everything it started, when it ends, is stopped, or t
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import queue
@@ -14,6 +15,7 @@ import threading
 import time
 from pathlib import Path
 
+from gpuflow.training.files import disk_full
 from gpuflow.training.reaper import grace_seconds, start_supervised
 
 TAIL_LINES = 40
@@ -139,13 +141,30 @@ def run_child(cmd: list[str], env: dict, cwd: Path, log: logging.Logger | loggin
             else:
                 (log.warning if name == "stderr" and "error" in shown.lower() else log.info)(shown)
             if out is not None:
-                out.write(line + "\n")
+                _logged(out, log_file, line + "\n")
         return proc.wait(), list(tail)
     finally:
-        if proc.poll() is None:  # cancelled or failed: take the whole group down
+        if proc.poll() is None:  # cancelled or failed (a full disk too): take the whole group down
             _terminate(proc)
         if out is not None:
+            _logged(out, log_file)
+
+
+def _logged(out, log_file: Path, text: str | None = None) -> None:
+    """Write `text` to the child's log file (None: close it); a full disk raises DiskFull naming that file, which
+    stops the child: a run that cannot keep its log cannot keep its checkpoints either."""
+    try:
+        if text is None:
             out.close()
+        else:
+            out.write(text)
+    except OSError as e:
+        if (full := disk_full(e, log_file)) is None:
+            raise
+        if text is not None:
+            with contextlib.suppress(OSError):
+                out.close()  # its unwritten lines fail again: said once, by the DiskFull below
+        raise full from None
 
 
 def _terminate(proc: subprocess.Popen) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from gpuflow.training.contract import ERROR_DIR_ENV, RunFolder, describe, read_error
 from gpuflow.training.errors import UserError
+from gpuflow.training.files import disk_full
 
 
 class TrainingFailed(RuntimeError):
@@ -21,9 +22,10 @@ class TrainingFailed(RuntimeError):
 
 
 def would_repeat(e: BaseException) -> bool:
-    """Would running it again, here or on a spare machine, fail the same way: a refusal of bad input, or a
-    failure the ranks said was deterministic?"""
-    return isinstance(e, UserError) or (isinstance(e, TrainingFailed) and e.deterministic)
+    """Would running it again, here or on a spare machine, fail the same way: a refusal of bad input, a full disk,
+    or a failure the ranks said was deterministic?"""
+    return (isinstance(e, UserError) or disk_full(e) is not None
+            or (isinstance(e, TrainingFailed) and e.deterministic))
 
 
 def error_folder(workdir: Path) -> dict:

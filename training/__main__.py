@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from . import contract
 from .cardlock import hold_card_locks
 from .errors import TrainingDiverged, UserError
-from .files import write_json_atomic
+from .files import disk_full, write_json_atomic
 from .lifetime import die_with_parent, exit_on_sigterm, leave
 
 
@@ -101,13 +101,20 @@ def main(argv=None) -> int:
         hold_card_locks()  # before the card is touched: no new run gets it until this process is gone
         run(args.config, args.result, freeze_imports=True)
     except (UserError, ValidationError, TrainingDiverged) as e:
-        print(f"[rank {contract.ranks().rank}] error: {e}", file=sys.stderr, flush=True)
-        contract.write_error(e, deterministic=True, located=False)
-        return 3 if isinstance(e, TrainingDiverged) else 2
+        return _refused(e)
     except Exception as e:  # the user's code, or a bug: its traceback, and the cause for the flow
+        if full := disk_full(e):  # wherever the write was: one line, and a restart does not run it again
+            return _refused(full)
         contract.write_error(e, deterministic=not contract.made_progress(started, _checkpoint_dir(args.config)))
         raise
     return 0
+
+
+def _refused(e: Exception) -> int:
+    """A failure that would repeat: one line, its record for the flow, and the exit code (3: diverged, else 2)."""
+    print(f"[rank {contract.ranks().rank}] error: {e}", file=sys.stderr, flush=True)
+    contract.write_error(e, deterministic=True, located=False)
+    return 3 if isinstance(e, TrainingDiverged) else 2
 
 
 def _checkpoint_dir(config_path: str) -> str | None:

@@ -1,6 +1,6 @@
 """What the flow and the ranks agree on across the process boundary (torch-free): variables, the run folder, and
 the structured error a failing rank leaves in `<GPUFLOW_ERROR_DIR>/attempt-<n>/rank-<r>.json`. A *deterministic*
-error (bad input, or no progress since the attempt started) is not run again by a restarted rank.
+error (bad input, a full disk, or no progress since the attempt started) is not run again by a restarted rank.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-from .files import write_json_atomic
+from .errors import DiskFull
+from .files import disk_full, write_json_atomic
 
 # --- what the flow tells its children, by environment variable ----------------------------
 ERROR_DIR_ENV = "GPUFLOW_ERROR_DIR"  # where a failing rank leaves its error (write_error)
@@ -139,11 +140,14 @@ def write_error(exc: BaseException, deterministic: bool, hint: str = "", located
     if not folder:
         return
     file, line = where(exc) if located else (None, None)
+    if full := disk_full(exc):  # wherever it was (a checkpoint, the metrics, a log): a restart fills it again
+        exc, deterministic = full, True
+    else:
+        deterministic = deterministic and not _between_ranks(exc)
     message = (str(exc).strip().splitlines() or [""])[-1 if isinstance(exc, SyntaxError) else 0][:2000]
     here = ranks()
     _write({"type": type(exc).__name__, "message": message + hint, "file": file, "line": line,
-            "rank": here.rank, "attempt": here.restarts, "time": time.time(),
-            "deterministic": deterministic and not _between_ranks(exc)}, folder)
+            "rank": here.rank, "attempt": here.restarts, "time": time.time(), "deterministic": deterministic}, folder)
 
 
 def _attempt_dir(folder: str | os.PathLike, attempt: int) -> Path:
@@ -152,7 +156,41 @@ def _attempt_dir(folder: str | os.PathLike, attempt: int) -> Path:
 
 
 def _write(record: dict, folder: str) -> None:
-    write_json_atomic(_attempt_dir(folder, record["attempt"]) / f"rank-{record['rank']}.json", record)
+    path = _attempt_dir(folder, record["attempt"]) / f"rank-{record['rank']}.json"
+    try:
+        write_json_atomic(path, record)
+    except DiskFull:  # the disk that failed the rank is often this one: the room start_attempt kept
+        _write_reserved(path, json.dumps(record).encode())
+
+
+RESERVED_BYTES = 16384  # room for one error record (its message is cut at 2000 characters)
+
+
+def _reserved(path: Path) -> Path:
+    return path.with_name(f".{path.name}.reserved")  # hidden: no reader takes it for a record, nor for progress
+
+
+def _reserve(path: Path) -> None:
+    """Keep the room for this rank's error record on the disk now, so that a full disk can still be reported."""
+    try:
+        fd = os.open(_reserved(path), os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            os.posix_fallocate(fd, 0, RESERVED_BYTES)
+        finally:
+            os.close(fd)
+    except OSError:  # no room even now: a failure is said on stderr alone
+        with contextlib.suppress(OSError):
+            _reserved(path).unlink(missing_ok=True)
+
+
+def _write_reserved(path: Path, data: bytes) -> None:
+    """The record written into its kept room and renamed into place: no new block is needed."""
+    with contextlib.suppress(OSError):
+        with open(_reserved(path), "r+b") as f:
+            f.write(data)
+            f.truncate()
+            os.fsync(f.fileno())
+        os.replace(_reserved(path), path)
 
 
 def _records(folder: Path) -> list[dict]:
@@ -165,9 +203,12 @@ def _records(folder: Path) -> list[dict]:
 
 def start_attempt() -> None:
     """At a rank's start: its attempt's folder, so the flow reads a failure from the attempt that ended the job
-    even when it left nothing (a rank killed by a signal), never from one torchrun restarted after."""
+    even when it left nothing (a rank killed by a signal), never from one torchrun restarted after; and room kept
+    for this rank's error record, so that a full disk is reported too."""
     if folder := os.environ.get(ERROR_DIR_ENV):
-        _attempt_dir(folder, ranks().restarts).mkdir(parents=True, exist_ok=True)
+        attempt = _attempt_dir(folder, ranks().restarts)
+        attempt.mkdir(parents=True, exist_ok=True)
+        _reserve(attempt / f"rank-{ranks().rank}.json")
 
 
 def replay_deterministic() -> dict | None:

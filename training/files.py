@@ -6,10 +6,13 @@ import errno
 import json
 import os
 import tempfile
+import traceback
 from pathlib import Path
 from typing import Callable
 
 from .errors import DiskFull
+
+DISK_FULL_FIX = "free space on that disk, or point data_root / runs_dir at another one"
 
 
 def atomic_write(path: str | Path, write: Callable[[Path], None], mode: int = 0o644) -> Path:
@@ -30,19 +33,41 @@ def atomic_write(path: str | Path, write: Callable[[Path], None], mode: int = 0o
     except BaseException as e:
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)
-        if (full := _disk_full(e)) is None:
+        if (full := disk_full(e, path)) is None:
             raise
-        raise DiskFull(f"disk full: cannot write {str(path)!r} ({full.strerror}); free space on that disk, "
-                       "or point data_root / runs_dir at another one") from None
+        raise full from None
+
+
+def disk_full(e: BaseException, path: str | os.PathLike | None = None) -> DiskFull | None:
+    """`e` as the one-line DiskFull when a full disk (or quota) caused it, naming `path`, else the file the error
+    names, else where the write was; None when no full disk did."""
+    if path is None and (said := next((c for c in _chain(e) if isinstance(c, DiskFull)), None)):
+        return said
+    if (full := _disk_full(e)) is None:
+        return None
+    if (path := path or full.filename) is not None:
+        return DiskFull(f"disk full: cannot write {str(path)!r} ({full.strerror}); {DISK_FULL_FIX}")
+    return DiskFull(f"disk full: a write{_written_at(full)} failed ({full.strerror}); {DISK_FULL_FIX}")
+
+
+def _written_at(e: BaseException) -> str:
+    """` at <file>, line <n>`: the innermost frame of `e`'s traceback (a write to an open file names no file)."""
+    frames = traceback.extract_tb(e.__traceback__)
+    return f" at {frames[-1].filename}, line {frames[-1].lineno}" if frames else ""
 
 
 def _disk_full(e: BaseException | None) -> OSError | None:
     """The ENOSPC/EDQUOT error in `e`'s chain (torch.save re-raises a failed write as a RuntimeError)."""
-    while e is not None:
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            return e
+    return next((c for c in _chain(e) if isinstance(c, OSError) and c.errno in (errno.ENOSPC, errno.EDQUOT)), None)
+
+
+def _chain(e: BaseException | None):
+    """`e`, then what it was raised from or while handling, and so on."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        yield e
         e = e.__cause__ or e.__context__
-    return None
 
 
 def write_json_atomic(path: str | Path, obj) -> Path:

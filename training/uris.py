@@ -64,12 +64,21 @@ def plain_sqlite(uri: str) -> bool:
 
 
 def same_store(a: str, b: str) -> bool:
-    """Whether two store URIs name the same store: the same file for SQLite, else the same URL."""
+    """Whether two store URIs name the same store: the same file for SQLite (a hard link of it included),
+    else the same URL."""
     if not a or not b:
         return False
     fa, fb = sqlite_file(a), sqlite_file(b)
     if fa is not None or fb is not None:
-        return fa == fb
+        return fa is not None and fb is not None and _same_file(fa, fb)
     return a.rstrip("/") == b.rstrip("/")
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """One file as the kernel sees it (device and inode) when both exist, else one path (a store to be created)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one does not exist yet (or cannot be looked at): its path is all there is
+        return a == b
 
 
