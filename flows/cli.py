@@ -37,7 +37,7 @@ from .calls import admit, one_line, quiet_libraries, report_user_errors_once, va
 from .options import add_model, rest_field
 
 from .params import EvaluateParams, InferParams, PipelineParams, ScriptParams, SweepParams
-from .settings import NodeService, Settings, mlflow_server_environment, server_command, ui_command
+from .settings import NodeService, Settings, server_command, ui_command, ui_environment
 from .stack import StackService
 
 quiet_libraries()  # before MLflow is imported, which reads its logging level once
@@ -116,7 +116,7 @@ def run_service(command: str, settings) -> int:
         return run_supervised(server_command(settings), env=server_environment())  # leases any server on its home sees
     from gpuflow.tasks.tracking.store import default_tracking_uri
 
-    return run_supervised(ui_command(settings, default_tracking_uri()), env=mlflow_server_environment())
+    return run_supervised(ui_command(settings), env=ui_environment(default_tracking_uri()))
 
 
 def parse(argv: list[str], p: argparse.ArgumentParser | None = None) -> tuple[str, type[BaseModel] | None, dict]:

@@ -150,9 +150,31 @@ END $$
 """
 
 
-def database(url: str, name: str, driver: str) -> str:
-    """`url` (postgresql://...) with database `name` and the SQLAlchemy driver (`asyncpg`, `psycopg`)."""
+def split_password(url: str) -> tuple[str, str | None]:
+    """`url` (postgresql://...) without its password, wherever it is (after the user name, or a `password` query
+    parameter), and that password, unescaped (None when it holds none)."""
     parts = urllib.parse.urlsplit(url)
+    userinfo, at, hostport = parts.netloc.rpartition("@")
+    user, colon, escaped = userinfo.partition(":")
+    query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+    in_query = [v for k, v in query if k == "password"]
+    if in_query:
+        parts = parts._replace(query=urllib.parse.urlencode([(k, v) for k, v in query if k != "password"]))
+    password = urllib.parse.unquote(escaped) if colon else next(iter(in_query), None)
+    return parts._replace(netloc=f"{user}{at}{hostport}").geturl(), password or None
+
+
+def password_env(url: str) -> dict[str, str]:
+    """The environment that hands `url`'s password to a child: libpq's own PGPASSWORD, which psycopg and asyncpg
+    read; a process's environment is its account's alone, where its arguments show in every account's `ps`."""
+    password = split_password(url)[1]
+    return {"PGPASSWORD": password} if password else {}
+
+
+def database(url: str, name: str, driver: str) -> str:
+    """`url` (postgresql://...) with database `name` and the SQLAlchemy driver (`asyncpg`, `psycopg`), and without
+    its password (which goes by `password_env`)."""
+    parts = urllib.parse.urlsplit(split_password(url)[0])
     return urllib.parse.urlunsplit((f"postgresql+{driver}", parts.netloc, f"/{name}", parts.query, ""))
 
 
@@ -160,11 +182,18 @@ def create_databases(url: str) -> None:
     """The databases on a server given by --database-url, as its user (who then owns them)."""
     import psycopg
 
-    parts = urllib.parse.urlsplit(url)
+    bare, password = split_password(url)
+    parts = urllib.parse.urlsplit(bare)
     query = dict(urllib.parse.parse_qsl(parts.query))
-    conninfo = dict(host=query.get("host", parts.hostname), port=parts.port, user=parts.username,
-                    password=parts.password, dbname="postgres")
-    with psycopg.connect(**{k: v for k, v in conninfo.items() if v}, autocommit=True) as conn:
+    conninfo = dict(host=query.get("host", parts.hostname), port=parts.port,
+                    user=parts.username and urllib.parse.unquote(parts.username), password=password, dbname="postgres")
+    try:
+        conn = psycopg.connect(**{k: v for k, v in conninfo.items() if v}, autocommit=True)
+    except psycopg.OperationalError as e:
+        reason = " ".join(str(e).split())  # libpq words it over several lines
+        raise UserError(f"cannot connect to --database-url {bare} ({reason}): check the URL and the password "
+                        "(best in PGPASSWORD or ~/.pgpass, which `ps` does not show)") from None
+    with conn:
         have = {r[0] for r in conn.execute("SELECT datname FROM pg_database")}
         for name in DATABASES:
             if name not in have:

@@ -99,6 +99,12 @@ def mlflow_server_environment() -> dict[str, str]:
     return {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **os.environ}
 
 
-def ui_command(s: Settings, tracking_uri: str) -> list[str]:
-    return [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", tracking_uri,
-            "--registry-store-uri", tracking_uri, "--host", s.mlflow_host, "--port", str(s.mlflow_port)]
+def ui_command(s: Settings) -> list[str]:
+    return [sys.executable, "-m", "mlflow", "ui", "--host", s.mlflow_host, "--port", str(s.mlflow_port)]
+
+
+def ui_environment(tracking_uri: str) -> dict[str, str]:
+    """`mlflow ui`'s environment: the store through MLflow's own variables, not arguments (`ps` shows those to every
+    account, and a URI may hold a password)."""
+    return dict(mlflow_server_environment(), MLFLOW_BACKEND_STORE_URI=tracking_uri,
+                MLFLOW_REGISTRY_STORE_URI=tracking_uri)

@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.parse
 from pathlib import Path
 
 from pydantic import BaseModel, Field
@@ -24,7 +23,7 @@ from gpuflow.training.reaper import start_supervised, stop_supervised
 from .api import http_status, server_environment
 from .credentials import FILE as CREDENTIALS_FILE
 from .credentials import Credentials, stack_credentials, write_private
-from .postgres import Cluster, create_databases, database, run
+from .postgres import Cluster, create_databases, database, password_env, run, split_password
 from .settings import LOOPBACK, mlflow_server_environment
 
 AUTH_CACHE_TTL_S = 60  # MLflow's own cache of verified basic-auth credentials (off by default)
@@ -39,8 +38,9 @@ class StackService(BaseModel):
 
     data: str = Field(description="folder of the stack: its PostgreSQL cluster (unless --database-url), "
                       "Prefect's home, MLflow's artifacts and the servers' credentials; kept across restarts")
-    database_url: str | None = Field(None, description="an existing PostgreSQL server, postgresql://user[:password]"
-                                     "@host[:port] (default: a cluster of its own in <data>/postgres)")
+    database_url: str | None = Field(None, description="an existing PostgreSQL server, postgresql://user@host[:port]; "
+                                     "give its password in PGPASSWORD or ~/.pgpass: `ps` shows one in the URL to every "
+                                     "account (default: a cluster of its own in <data>/postgres)")
     host: str = Field(LOOPBACK, description="address both servers listen on (both ask for the credentials in "
                       "<data>/credentials.env; put a TLS proxy in front before opening it: see docs/machines.md)")
     prefect_port: int = Field(4200, ge=1, le=65535, description="port of the Prefect server")
@@ -84,7 +84,9 @@ def make_private(data: Path, own_cluster: bool) -> None:
 
 
 def prefect_env(data: Path, url: str, credentials: Credentials) -> dict:
-    env = dict(server_environment(), PREFECT_HOME=str(data / "prefect"),
+    """Prefect's server and migration: every setting, the database's password and the auth string included, by
+    the environment, which only this account reads (`ps` shows arguments to all)."""
+    env = dict(server_environment(), **password_env(url), PREFECT_HOME=str(data / "prefect"),
                PREFECT_API_DATABASE_CONNECTION_URL=database(url, "prefect", "asyncpg"),
                PREFECT_SERVER_DATABASE_MIGRATE_ON_START="false", PREFECT_SERVER_ANALYTICS_ENABLED="false",
                PREFECT_SERVER_API_AUTH_STRING=credentials.prefect_auth_string,
@@ -102,15 +104,22 @@ def mlflow_env(data: Path, url: str, credentials: Credentials) -> dict:
                   "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
                   # cached (HMAC-keyed) to skip the slow hash check per call; the stack changes no password
                   f"auth_cache_ttl_seconds = {AUTH_CACHE_TTL_S}\n")
-    return dict(mlflow_server_environment(), MLFLOW_AUTH_CONFIG_PATH=str(config),
+    return dict(mlflow_server_environment(), **password_env(url), MLFLOW_AUTH_CONFIG_PATH=str(config),
                 MLFLOW_AUTH_ADMIN_USERNAME=credentials.mlflow_username,
                 MLFLOW_AUTH_ADMIN_PASSWORD=credentials.mlflow_password,  # used only to create the admin
                 MLFLOW_FLASK_SERVER_SECRET_KEY=secrets.token_hex(32))  # signs the sign-up form: the same in all workers
 
 
+def warn_of_a_shown_password(url: str | None) -> None:
+    """The stack hides the password from the processes it starts, but not from its own arguments."""
+    if url and split_password(url)[1]:
+        print("gpuflow stack: the password in --database-url shows in `ps` to every account while the stack runs: "
+              "give it in PGPASSWORD or ~/.pgpass instead", flush=True)
+
+
 def publish_study_storage(api: str, url: str, credentials: Credentials) -> None:
     """Tell sweeps where the stack keeps studies (a Prefect Variable), unless that would show a password."""
-    if urllib.parse.urlsplit(url).password:
+    if split_password(url)[1]:
         print("gpuflow stack: sweeps keep their studies where --storage says (the database URL holds a password, "
               "which a Prefect Variable would show to every API user)", flush=True)
         return
@@ -158,6 +167,7 @@ def serve_stack(s: StackService) -> int:
     data = Path(s.data).expanduser().resolve()
     data.mkdir(mode=0o700, parents=True, exist_ok=True)
     lock = hold_lock(data)  # before anything else: a second stack on <data> touches nothing
+    warn_of_a_shown_password(s.database_url)
     os.umask(0o077)  # what the stack and its servers write is its account's alone
     cluster = None if s.database_url else Cluster(data)
     procs: list[subprocess.Popen] = []
@@ -173,7 +183,8 @@ def serve_stack(s: StackService) -> int:
             create_databases(url)
         p_env, mlflow_db = prefect_env(data, url, credentials), database(url, "mlflow", "psycopg")
         run([sys.executable, "-m", "prefect", "server", "database", "upgrade", "-y"], "Prefect's migration", p_env)
-        run([sys.executable, "-m", "mlflow", "db", "upgrade", mlflow_db], "MLflow's migration")
+        run([sys.executable, "-m", "mlflow", "db", "upgrade", mlflow_db], "MLflow's migration",
+            dict(os.environ, **password_env(url)))
         procs.append(start_supervised([sys.executable, "-m", "prefect", "server", "start", "--host", s.host,
                                        "--port", str(s.prefect_port)], env=p_env, pass_fds=(lock,)))
         procs.append(start_supervised([sys.executable, "-m", "mlflow", "server", "--backend-store-uri", mlflow_db,

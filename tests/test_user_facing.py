@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from gpuflow.flows.calls import InvalidParameters, admit, validated
 from gpuflow.flows import cli
 from gpuflow.flows.params import EvaluateParams, InferParams, PipelineParams
-from gpuflow.flows.settings import Settings, server_command, ui_command
+from gpuflow.flows.settings import Settings, server_command, ui_command, ui_environment
 from gpuflow.tasks.devices.assign import AssignmentError, assign_devices_for
 from gpuflow.tasks.devices.probe import read_environment, usable_cpus
 from gpuflow.tasks.tracking.results import NOT_COMPARED, OUTCOME_TAG
@@ -224,7 +224,9 @@ def test_server_addresses_are_settings_defaulting_to_loopback(monkeypatch):
     monkeypatch.setenv("GPUFLOW_MLFLOW_PORT", "5123")
     monkeypatch.setenv("GPUFLOW_PREFECT_HOST", "10.1.2.3")
     s = Settings()
-    assert ui_command(s, "sqlite:///x.db")[-4:] == ["--host", "127.0.0.1", "--port", "5123"]
+    assert ui_command(s)[-4:] == ["--host", "127.0.0.1", "--port", "5123"]
+    secret = "postgresql+psycopg://u:hunter2@db/mlflow"  # the store goes by environment: `ps` shows no password
+    assert secret not in " ".join(ui_command(s)) and ui_environment(secret)["MLFLOW_BACKEND_STORE_URI"] == secret
     assert s.prefect_api_url == "http://10.1.2.3:4200/api"
     for target in ("server", "serve", "ui"):  # the Makefile goes through the settings, not its own values
         assert f".venv/bin/gpuflow {target}\n" in (ROOT / "Makefile").read_text()
