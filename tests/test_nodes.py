@@ -326,9 +326,16 @@ def test_a_node_runs_no_command_job_variable_or_forged_job_and_its_queue_stays_f
             assert run.infrastructure_pid is None  # refused before any process started
         assert not marker.exists()
         # the placed run the caller could not start (a parent with the key) runs on both queues, one held PENDING
-        code, placed, err = finished(gpuflow(cluster, tmp_path, *JOB, "--nodes", "2", "--cpu-processes", "1",
-                                             "--node-pool", cluster.pool))
+        proc = gpuflow(cluster, tmp_path, *JOB, "--nodes", "2", "--cpu-processes", "1", "--node-pool", cluster.pool)
+        shown = set()  # every process's arguments while it runs, as `ps` shows them to any account
+        while proc.poll() is None:
+            ps = subprocess.run(["ps", "-eww", "-o", "args="], capture_output=True, text=True)
+            shown |= set(ps.stdout.splitlines())
+            time.sleep(0.5)
+        code, placed, err = finished(proc)
         assert code == 0 and placed["world_size"] == 2, err[-4000:]
+        assert any("gpuflow.flows.nodeworker" in line for line in shown)
+        assert not [line for line in shown if cluster.node_key.read_text().strip() in line]
         assert client.read_flow_run(held.id).state.is_pending()  # still there, holding nothing
         client.delete_flow_run(held.id)
         # one of its node jobs, copied with its seal intact and sent again: refused, nothing runs

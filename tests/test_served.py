@@ -164,6 +164,34 @@ def test_a_served_run_names_only_the_packages_and_folders_the_operator_allowed(s
     assert not (served["base"].parent / "elsewhere").exists()
 
 
+def test_a_served_run_takes_no_command_environment_or_policy_from_its_job_variables(served, tmp_path):
+    """An API caller's job variables (a command, a wider policy, PYTHONPATH to their code) change nothing: the run
+    is refused by the operator's policy as without them, says it ignored them, and nothing the caller named ran."""
+    api, marker = served["api"], served["base"] / "pwned-by-job-variables"
+    evil = tmp_path / "evil"
+    evil.mkdir()
+    (evil / "net.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\nimport torch\nNet = torch.nn.Linear\n")
+    wide = json.dumps({"packages": ["os"], "folders": ["/"], "home_store": "", "stores": []})
+    (tmp_path / "policy.json").write_text(wide)
+    dep = _api(api, "/deployments/name/train-pipeline/ddp")
+    run = _api(api, f"/deployments/{dep['id']}/create_flow_run", {
+        "parameters": {"model": f"{evil / 'net.py'}:Net", "epochs": 1, "gpus": "cpu", "experiment": "jobvars"},
+        "job_variables": {"command": f"sh -c 'id > {marker}'", "working_dir": str(evil),
+                          "env": {"GPUFLOW_POLICY": wide, "GPUFLOW_POLICY_FILE": str(tmp_path / "policy.json"),
+                                  "GPUFLOW_ALLOW_PATHS": "/", "PYTHONPATH": str(evil)}}})
+    deadline = time.monotonic() + 180
+    while not (state := _api(api, f"/flow_runs/{run['id']}")["state"])["type"] in ("FAILED", "COMPLETED", "CRASHED"):
+        assert time.monotonic() < deadline, state
+        time.sleep(1)
+    assert state["type"] == "FAILED" and "is outside the folders this served deployment may use" in state["message"]
+    said = "ignored the job variables sent with this run (command, env, working_dir)"
+    while said not in (logs := " ".join(line["message"] for line in _api(api, "/logs/filter", {
+            "logs": {"flow_run_id": {"any_": [run["id"]]}}}))):  # the run's lines reach the server in batches
+        assert time.monotonic() < deadline, logs[-2000:]
+        time.sleep(1)
+    assert not marker.exists()
+
+
 def test_a_served_evaluation_never_runs_the_code_a_registered_checkpoint_names(served, tmp_path):
     """A version whose checkpoint's config names `os:system` (written by whoever could write to the
     store): the served evaluate refuses it at the door, in the evaluation child, before importing it."""
