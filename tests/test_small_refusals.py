@@ -138,7 +138,10 @@ def test_a_node_failure_a_spare_would_repeat_takes_no_spare_and_a_transient_one_
 
     from prefect.states import Failed
 
+    from gpuflow.flows import rendezvous
     from gpuflow.flows.rendezvous import as_a_node
+
+    monkeypatch.setattr(rendezvous, "admit_node_run", lambda values: None)  # the door: tests/test_nodes.py
 
     def node(**values):
         raise error
