@@ -245,46 +245,6 @@ def kill_ranks(node) -> None:
                 pass
 
 
-def test_a_node_killed_mid_run_fails_the_run_and_the_other_node_stops(cluster, tmp_path):
-    proc = gpuflow(cluster, tmp_path, "--gpus", "cpu", "--cpu-processes", "1", "--nodes", "2",
-                   "--node-pool", cluster.pool, "--dataset", "synthetic", "--synthetic-size", "20000",
-                   "--epochs", "50", "--run-name", "to-kill")
-    client = open_store(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    deadline = time.monotonic() + 300
-    while not _training(client):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-4000:]
-        time.sleep(1)
-    cluster.kill_node("node-b")  # its worker, its flow run, torchrun and the rank: gone at once
-    code, _, err = finished(proc, timeout=240)
-    assert code == 1, err[-4000:]
-    assert "gpuflow run: node node-b failed: its machine stopped answering" in err, err[-3000:]  # not its peer
-    (run,) = client.search_runs(client.get_experiment_by_name("gpuflow").experiment_id,
-                                "tags.`mlflow.runName` = 'to-kill'")
-    assert run.info.status == "FAILED"
-    deadline = time.monotonic() + 60
-    while (left := _ranks(cluster.node("node-a").pids())) and time.monotonic() < deadline:
-        time.sleep(1)
-    assert not left, left  # node-a's torchrun and rank stopped with their peer
-
-
-def _training(client, name: str = "to-kill") -> bool:
-    exp = client.get_experiment_by_name("gpuflow")
-    runs = client.search_runs(exp.experiment_id, f"tags.`mlflow.runName` = '{name}'") if exp else []
-    return bool(runs and client.get_metric_history(runs[0].info.run_id, "train_loss"))
-
-
-def _ranks(pids: list[int]) -> list[str]:
-    out = []
-    for pid in pids:
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if "torch.distributed.run" in cmd or "-m gpuflow.training --config" in cmd:  # not `gpuflow node`'s reaper
-            out.append(cmd[:200])
-    return out
-
-
 # --- the node's door: only jobs a placed run's parent sealed (flows/nodeauth.py, flows/nodeworker.py) ----------
 
 
@@ -377,3 +337,44 @@ def test_a_follower_joins_only_the_endpoint_node_0_sealed(cluster):
             Variable.unset(rdzv_variable(job.id))
     finally:
         del os.environ["GPUFLOW_NODE_KEY"]
+
+
+# kills node-b's worker: the module's last test
+def test_a_node_killed_mid_run_fails_the_run_and_the_other_node_stops(cluster, tmp_path):
+    proc = gpuflow(cluster, tmp_path, "--gpus", "cpu", "--cpu-processes", "1", "--nodes", "2",
+                   "--node-pool", cluster.pool, "--dataset", "synthetic", "--synthetic-size", "20000",
+                   "--epochs", "50", "--run-name", "to-kill")
+    client = open_store(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    deadline = time.monotonic() + 300
+    while not _training(client):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-4000:]
+        time.sleep(1)
+    cluster.kill_node("node-b")  # its worker, its flow run, torchrun and the rank: gone at once
+    code, _, err = finished(proc, timeout=240)
+    assert code == 1, err[-4000:]
+    assert "gpuflow run: node node-b failed: its machine stopped answering" in err, err[-3000:]  # not its peer
+    (run,) = client.search_runs(client.get_experiment_by_name("gpuflow").experiment_id,
+                                "tags.`mlflow.runName` = 'to-kill'")
+    assert run.info.status == "FAILED"
+    deadline = time.monotonic() + 60
+    while (left := _ranks(cluster.node("node-a").pids())) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert not left, left  # node-a's torchrun and rank stopped with their peer
+
+
+def _training(client, name: str = "to-kill") -> bool:
+    exp = client.get_experiment_by_name("gpuflow")
+    runs = client.search_runs(exp.experiment_id, f"tags.`mlflow.runName` = '{name}'") if exp else []
+    return bool(runs and client.get_metric_history(runs[0].info.run_id, "train_loss"))
+
+
+def _ranks(pids: list[int]) -> list[str]:
+    out = []
+    for pid in pids:
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if "torch.distributed.run" in cmd or "-m gpuflow.training --config" in cmd:  # not `gpuflow node`'s reaper
+            out.append(cmd[:200])
+    return out
