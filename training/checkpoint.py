@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import fcntl
+import io
 import math
 import os
 import pickle
@@ -93,31 +94,41 @@ def load_file(path: str | Path, map_location="cpu") -> dict:
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {str(path)!r} does not exist; check the resume path")
+    return _load(path, str(path), map_location)
+
+
+def load_bytes(data: bytes, source: str, map_location="cpu") -> dict:
+    """load_file for a checkpoint file's bytes (another rank's copy, `source` naming it): the same weights_only=True
+    loader and errors, never a plain unpickling."""
+    return _load(io.BytesIO(data), source, map_location)
+
+
+def _load(f: Path | io.BytesIO, source: str, map_location) -> dict:
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        return torch.load(f, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
         found = re.search(r"unsupported (?:global: )?GLOBAL (\S+)", str(e), re.IGNORECASE)
         if found:  # a class or function reference: unpickling it could run code
             raise CheckpointError(
-                f"refusing to load {str(path)!r}: it contains pickled Python objects, not only "
+                f"refusing to load {source!r}: it contains pickled Python objects, not only "
                 f"tensors (found {found.group(1)}), and loading it could run arbitrary code. "
                 "Re-save it as a plain dict of tensors, e.g. {'model': model.state_dict()}"
             ) from None
-        raise CheckpointError(f"checkpoint {str(path)!r} is corrupt or not a torch file "
+        raise CheckpointError(f"checkpoint {source!r} is corrupt or not a torch file "
                               "(it does not unpickle); pick another file") from None
     except (RuntimeError, EOFError, ValueError, OSError) as e:
-        raise CheckpointError(f"checkpoint {str(path)!r} is corrupt or truncated: {damage(path, e)}; use an "
+        raise CheckpointError(f"checkpoint {source!r} is corrupt or truncated: {damage(f, e)}; use an "
                               "earlier checkpoint (--resume <file>), start afresh (--resume never), or pick "
                               "another file") from None
 
 
-def damage(path: Path, error: Exception) -> str:
-    """What is wrong with a file torch cannot read, in words: empty, cut short, or damaged inside."""
-    size = path.stat().st_size
+def damage(f: Path | io.BytesIO, error: Exception) -> str:
+    """What is wrong with a file (or its bytes) torch cannot read, in words: empty, cut short, or damaged inside."""
+    size = f.stat().st_size if isinstance(f, Path) else f.getbuffer().nbytes
     cause = str(error).strip().split(". ")[0] or type(error).__name__  # torch's first sentence; EOFError has none
     if size == 0:
         return "the file is empty (0 bytes)"
-    if not zipfile.is_zipfile(path):  # torch.save writes a zip archive, whose index is at its end
+    if not zipfile.is_zipfile(f):  # torch.save writes a zip archive, whose index is at its end
         return (f"the file is incomplete: its {size} bytes stop before the end a whole torch file has (cut short "
                 f"while written or copied; torch: {cause})")
     return f"the file ({size} bytes) is whole but damaged inside (torch: {cause})"

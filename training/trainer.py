@@ -237,13 +237,15 @@ class Trainer:
 
     def _whole_set_metrics(self, outputs: list, targets: list) -> dict:
         """epoch_metrics on every validation sample once, in dataset order (rank r held r, r + world, ...)."""
-        gathered = gather_to_main((concat(outputs), concat(targets)), self.ctx)
+        # batches without a target: None, not a list of a None per batch (whose length differs between ranks)
+        joined = concat(targets) if any(t is not None for t in targets) else None
+        gathered = gather_to_main((concat(outputs), joined), self.ctx)
         metrics = {}
         if self.ctx.is_main:
             world = len(gathered)
             n = sum(batch_len(o) for o, _ in gathered)
             order = torch.tensor([i for r in range(world) for i in range(r, n, world)]).argsort()
-            merged = [apply(concat([g[j] for g in gathered]), lambda t: t[order]) for j in (0, 1)]
+            merged = [_in_order([g[j] for g in gathered], order) for j in (0, 1)]
             metrics = {f"val_{k}": float(v) for k, v in self.objective.epoch_metrics(*merged).items()}
         return broadcast_from_main(metrics, self.ctx)
 
@@ -291,3 +293,8 @@ class Trainer:
     def _say(self, line: str) -> None:
         if self.ctx.is_main:
             print(line, flush=True)
+
+
+def _in_order(parts: list, order: torch.Tensor):
+    """Each rank's part joined, in dataset order; None where no batch had a target."""
+    return None if parts[0] is None else apply(concat(parts), lambda t: t[order])
