@@ -1,7 +1,7 @@
 """The flow process's steps (Prefect tasks and what they call); nothing here runs in the ranks.
 
   devices/   probe the host, the plan from a request (assign), card locks (cards), the host's device slot
-  tracking/  MLflow: the store, the flow's run, orphaned runs, results, the registered model, the registry
+  tracking/  MLflow: the store, the flow's run, its watcher, orphaned runs, results, the registered model, the registry
   data       prepare or reuse the dataset once, before any rank starts
   preflight  what would fail the launch, checked before any MLflow run starts
   launch     the worker or a user's script under torchrun

@@ -18,7 +18,6 @@ import psutil
 import pytest
 
 from gpuflow.tasks.tracking.store import open_store  # under gpuflow's lock: a run may be creating the file
-from gpuflow.tasks.tracking import orphans
 from tests.servers import free_port
 from tests.test_user_code import api_url  # noqa: F401  (the session's Prefect server)
 
@@ -91,12 +90,14 @@ def test_kill_9_of_a_script_flow_takes_ranks_that_ignore_sigterm_with_it(tmp_pat
     proc = start_script(tmp_path, "stubborn", STUBBORN, api_url)
     try:
         wait_for_ranks(proc, tmp_path, "stubborn")
+        watcher = [p for p in psutil.Process(proc.pid).children() if "gpuflow.tasks.tracking.watcher" in p.cmdline()]
         proc.kill()  # the flow dies outright: no finally, no hook of its own runs
         proc.wait()
         assert gone(tmp_path) == []
+        _, alive = psutil.wait_procs(watcher, timeout=HANG_GUARD_S)  # it ends the run, then itself
         client, run = the_run(tmp_path)
-        assert orphans.reap_orphaned_runs(client) == [run.info.run_id]  # the next run on this host ends it
-        assert client.get_run(run.info.run_id).info.status == "KILLED"
+        assert len(watcher) == 1 and not alive
+        assert run.info.status == "KILLED" and "its watcher" in run.data.tags["error"]
     finally:
         for p in of_run(tmp_path):
             p.kill()

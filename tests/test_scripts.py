@@ -282,7 +282,7 @@ def test_sigterm_to_the_flow_ends_the_run_killed_and_stops_every_rank(tmp_path, 
             if "training" in line and "launching" not in line:
                 break
         ranks = [p for p in psutil.Process(proc.pid).children(recursive=True)]
-        assert len(ranks) == 4, ranks  # the reaper, torchrun's agent and two ranks
+        assert len(ranks) == 5, ranks  # the run's watcher, the reaper, torchrun's agent and two ranks
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) is not None
     finally:

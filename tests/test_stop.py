@@ -73,11 +73,11 @@ def test_a_stopped_run_ends_killed_with_its_reason_and_leaves_nothing_behind(how
     tree = [proc, *psutil.Process(proc.pid).children(recursive=True)]
     if how == "sigterm":  # the process tree of a default run, checked once: nothing the job does not need
         children = sorted(" ".join(p.cmdline()[1:3]) for p in psutil.Process(proc.pid).children())
-        assert children == ["-m gpuflow.training.reaper", "-m prefect"], children
+        assert children == ["-m gpuflow.tasks.tracking.watcher", "-m gpuflow.training.reaper", "-m prefect"], children
         reaper = next(p for p in psutil.Process(proc.pid).children() if "gpuflow.training.reaper" in p.cmdline())
         (agent,) = reaper.children()
         assert "torch.distributed.run" in agent.cmdline()
-        assert len(agent.children()) == 2 and len(tree) == 6
+        assert len(agent.children()) == 2 and len(tree) == 7
         assert all("gpuflow.training" in p.cmdline() for p in agent.children())
     (os.killpg if group else os.kill)(proc.pid, sig)
     assert proc.wait(HANG_GUARD_S) == code, (tmp_path / "err.log").read_text()[-3000:]
@@ -91,11 +91,14 @@ def test_a_stopped_run_ends_killed_with_its_reason_and_leaves_nothing_behind(how
     assert not list(tmp_path.rglob("*.tmp"))
 
 
-def test_kill_9_of_the_flow_takes_its_api_torchrun_and_ranks_and_the_next_run_marks_it_killed(tmp_path):
+def test_kill_9_of_the_flow_and_its_watcher_takes_its_api_torchrun_and_ranks_and_the_next_run_marks_it_killed(
+        tmp_path):
     proc, db = start_pipeline(tmp_path)
     wait_for_first_epoch(proc, db, tmp_path)
     tree = psutil.Process(proc.pid).children(recursive=True)
-    assert len(tree) == 5  # the API, the reaper, torchrun and two ranks
+    assert len(tree) == 6  # the API, the run's watcher, the reaper, torchrun and two ranks
+    (watcher,) = [p for p in tree if "gpuflow.tasks.tracking.watcher" in p.cmdline()]
+    watcher.kill()  # first, as a host crash would: it runs no more code (tests/test_killed_flow.py: its own part)
     proc.kill()
     proc.wait()
     _, alive = psutil.wait_procs(tree, timeout=HANG_GUARD_S)

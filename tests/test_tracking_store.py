@@ -11,6 +11,7 @@ import time
 import types
 
 import mlflow
+import psutil
 import pytest
 
 from gpuflow.tasks.tracking import orphans, results, store, tracked
@@ -113,6 +114,8 @@ def test_a_run_whose_owner_was_killed_outright_is_marked_killed_by_the_next_star
     client = mlflow.MlflowClient(uri)
     assert client.get_run(victim).info.status == "RUNNING"
     assert orphans.reap_orphaned_runs(client) == []  # its owner is alive: left alone
+    (watcher,) = psutil.Process(owner.pid).children()
+    watcher.kill()  # first, as a host crash would: it runs no more code (tests/test_killed_flow.py: its own part)
     owner.send_signal(signal.SIGKILL)  # no finally, no exit handler runs
     owner.wait()
     assert client.get_run(victim).info.status == "RUNNING"

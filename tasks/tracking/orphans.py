@@ -1,5 +1,6 @@
-"""Runs left RUNNING by an owner that died (SIGKILL, the OOM killer, a host crash), marked KILLED by the next run
-on that host. Each run records its owner's host, pid and start time, so a reused pid does not count as alive.
+"""Runs left RUNNING by an owner that died (SIGKILL, the OOM killer, a host crash), marked KILLED at once by the
+run's watcher (watcher.py) or, where that died too (a host crash), by the next run on that host. Each run records
+its owner's host, pid and start time, so a reused pid does not count as alive.
 """
 
 from __future__ import annotations
@@ -44,11 +45,17 @@ def reap_orphaned_runs(client: MlflowClient) -> list[str]:
     reaped = []
     for run in running(client, OWNER_HOST, host):
         if not owner_alive(run.data.tags):
-            end_run(client, run.info.run_id, "KILLED",
-                    f"its owner (pid {run.data.tags.get(OWNER_PID)} on {host}) ended without ending the "
-                    "run (killed or crashed); marked KILLED by the next gpuflow run on this host")
+            end_orphaned_run(client, run, "the next gpuflow run on this host")
             reaped.append(run.info.run_id)
     return reaped
+
+
+def end_orphaned_run(client: MlflowClient, run, by: str) -> None:
+    """End `run`, whose owner died without ending it, KILLED; its `error` tag names the owner and `by`."""
+    tags = run.data.tags
+    end_run(client, run.info.run_id, "KILLED",
+            f"its owner (pid {tags.get(OWNER_PID)} on {tags.get(OWNER_HOST)}) ended without ending the "
+            f"run (killed or crashed); marked KILLED by {by}")
 
 
 def hooked_store(given) -> str:

@@ -23,6 +23,7 @@ from gpuflow.training.metrics import parse_line
 
 from .orphans import owner_tags, reap_orphaned_runs
 from .store import checkpoint_wal, end_run, ensure_experiment, flat_params, prepare_store, withdraw_versions
+from .watcher import watch_run
 
 
 def status_for(exc: BaseException) -> str:
@@ -193,8 +194,8 @@ def tracked_run(uri: str, experiment: str, run_name: str, tags: dict, dataset: d
                 system_metrics: bool = True) -> Iterator[TrackedRun]:
     """One MLflow run around the block, ended FINISHED, FAILED or KILLED whatever happens.
 
-    Its folder is `<runs_dir>/<run id>`; runs of this host whose owner is gone are marked KILLED first.
-    `resume`: an ended run's id, to continue."""
+    Its folder is `<runs_dir>/<run id>`; runs of this host whose owner is gone are marked KILLED first, and a
+    watcher (watcher.py) ends this one KILLED if this process is killed outright. `resume`: an ended run's id."""
     client = prepare_store(uri)
     reap_orphaned_runs(client)
     exp_id = ensure_experiment(client, experiment)
@@ -202,6 +203,7 @@ def tracked_run(uri: str, experiment: str, run_name: str, tags: dict, dataset: d
     all_tags = {**{k: str(v) for k, v in tags.items() if v is not None}, **owner_tags()}
     run = mlflow.start_run(run_id=resume, experiment_id=None if resume else exp_id, run_name=run_name,
                            tags=all_tags, log_system_metrics=system_metrics)
+    watcher = watch_run(uri, run.info.run_id)
     status, error = "FINISHED", None
     try:
         if dataset:  # a user's script reads its own data
@@ -217,7 +219,10 @@ def tracked_run(uri: str, experiment: str, run_name: str, tags: dict, dataset: d
             if status != "FINISHED":
                 withdraw_versions(client, run.info.run_id)
         finally:  # a store that refuses the withdrawal must not leave the run RUNNING
-            end_run(client, run.info.run_id, status, error)
+            try:
+                end_run(client, run.info.run_id, status, error)
+            finally:  # this process reached the run's end, whatever the store said: its watcher need not look
+                watcher.release()
             checkpoint_wal(uri)  # the store's file alone now shows this run
 
 
