@@ -37,12 +37,17 @@ def key_path() -> Path:
     return Path(Settings().node_key).expanduser()
 
 
-def make_node_key() -> tuple[Path, bool]:
-    """The node key file, made (0600, 32 random bytes as hex) when missing; whether it was made just now."""
+def make_node_key(pool: str, first: bool) -> tuple[Path, bool]:
+    """The node key file, made (0600, 32 random bytes as hex) when missing on the `first` machine of `pool`;
+    whether it was made just now. Another machine without it is refused: its key would seal no other's jobs."""
     path = key_path()
     if path.exists():
         read_key(path)  # refused here, at the node's start, if another account could read or change it
         return path, False
+    if not first:
+        raise UserError(f"no node key at {path}, and pool {pool!r} has machines already: copy the node key that its "
+                        "first machine's `gpuflow node` made (~/.config/gpuflow/node.key there) to this path, mode "
+                        "0600, or set GPUFLOW_NODE_KEY to where it is")
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
@@ -95,9 +100,11 @@ def seal_values(values: dict, key: bytes) -> dict:
     return values
 
 
-def check_job(values: dict, queue: str | None, key: bytes | None = None) -> dict:
+def check_job(values: dict, queue: str | None, flow_run, flow: str, key: bytes | None = None) -> dict:
     """The job of a node flow run's parameters if a holder of the key sealed them, unaltered, for this machine's
-    `queue` and it has not expired; else NodeRunRefused saying why."""
+    `queue`, for this node `flow`, and it has not expired; and `flow_run` (a Prefect FlowRun) carries the idempotency
+    key its parent gave it, which Prefect keeps unique: a copy of a sealed job in another run is refused. Else
+    NodeRunRefused saying why."""
     job = values.get("job") if isinstance(values, dict) else None
     if not isinstance(job, dict) or not isinstance(job.get("seal"), str):
         raise NodeRunRefused("refused a node run without a sealed job: node runs are started by a placed run's "
@@ -107,10 +114,20 @@ def check_job(values: dict, queue: str | None, key: bytes | None = None) -> dict
                              "(forged, or changed after its parent sent it)")
     if queue is not None and job.get("name") != queue:
         raise NodeRunRefused(f"refused a node run sealed for machine {job.get('name')!r}, not this one ({queue!r})")
+    if job.get("flow") != flow:
+        raise NodeRunRefused(f"refused a {flow} run of a job sealed for {job.get('flow')!r}")
+    if flow_run.idempotency_key != idempotency_key(job):
+        raise NodeRunRefused(f"refused a copy of node {job.get('index')} of job {job.get('id')!r}: the run its "
+                             "parent started is another flow run")
     if not isinstance(job.get("expires"), (int, float)) or time.time() > job["expires"]:
         raise NodeRunRefused(f"refused a node run of job {job.get('id')!r}: it expired (its parent gives up on a "
                              "node that has not started by then)")
     return job
+
+
+def idempotency_key(job) -> str:
+    """The node flow run's idempotency key, which its parent sets: one flow run per job and node."""
+    return f"{job['id']}-{job['index']}" if isinstance(job, dict) else f"{job.id}-{job.index}"
 
 
 def record_job(job: dict, folder: Path) -> None:

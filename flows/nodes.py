@@ -24,7 +24,7 @@ from gpuflow.training.errors import UserError
 from .calls import flat_parameters, one_line
 from .job import PLACED_RESULT, Placement, parent_run, run_job
 from .launchers import Script, Worker
-from .nodeauth import read_key, seal_values
+from .nodeauth import idempotency_key, read_key, seal_values
 from .params import PipelineParams, ScriptParams
 from .rendezvous import POLL_S, NodeFailed, NodeJob, as_a_node, node_name, rdzv_variable
 from .watch import watch
@@ -80,7 +80,7 @@ def place(launcher) -> dict:
                 expires = time.time() + params.rdzv_timeout_s + EXPIRY_GRACE_S  # a node not started by then is lost
                 jobs = [NodeJob(id=round_id, index=i, name=m, run_id=run.run_id, round=len(lost), resume=resume,
                                 keep_all=params.max_node_failures > 0, nodes=shrunk, parent=flow_run.get_id(),
-                                expires=expires) for i, m in enumerate(machines)]
+                                flow=launcher.node_flow, expires=expires) for i, m in enumerate(machines)]
                 watch({j.name: start_node(params, j, launcher.node_flow, key) for j in jobs}, params.rdzv_timeout_s)
                 break
             except NodeFailed as e:
@@ -174,7 +174,7 @@ def start_node(params, job: NodeJob, flow_name: str, key: bytes):
                                                  "job": job.model_dump(), "nodes": params.nodes,
                                                  "min_nodes": params.min_nodes}
     return run_deployment(f"{flow_name}/{params.node_pool}", parameters=seal_values(values, key), timeout=0,
-                          work_queue_name=job.name, idempotency_key=f"{job.id}-{job.index}",
+                          work_queue_name=job.name, idempotency_key=idempotency_key(job),
                           flow_run_name=f"{job.name}-{job.id[:8]}")
 
 

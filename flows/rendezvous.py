@@ -39,6 +39,7 @@ class NodeJob(BaseModel):
                               "machine lost and no spare came, with min_nodes)")
     parent: str | None = Field(None, pattern=r"^[0-9a-f-]{36}$", description="the parent's Prefect flow run, "
                                "which must still run when the node starts")
+    flow: str | None = Field(None, pattern=r"^(train|script)-node$", description="the node flow the job is for")
     expires: float = Field(0.0, description="unix time after which the node refuses the job (its parent gave up)")
     seal: str | None = Field(None, pattern=r"^[0-9a-f]{64}$", description="HMAC of the job and every parameter "
                              "with the pool's node key (flows/nodeauth.py)")
@@ -126,9 +127,9 @@ def admit_node_run(values: dict) -> None:
     from .nodeauth import NODE_QUEUE_ENV, NodeRunRefused, check_job, key_path, record_job
 
     with get_client(sync_client=True) as client:
+        this = client.read_flow_run(flow_run.get_id())
         # under another worker (a Kubernetes pool's): the queue the run came through, which the job must name
-        queue = os.environ.get(NODE_QUEUE_ENV) or client.read_flow_run(flow_run.get_id()).work_queue_name
-        job = check_job(values, queue)
+        job = check_job(values, os.environ.get(NODE_QUEUE_ENV) or this.work_queue_name, this, flow_run.get_flow_name())
         state = client.read_flow_run(job["parent"]).state if job.get("parent") else None
     if job.get("parent"):
         if state is None or not state.is_running():

@@ -113,7 +113,7 @@ def serve_node(service: NodeService) -> int:
     worker on the queue in the foreground, in this folder: placed runs resolve paths as a run started here would."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import WorkPoolCreate
-    from prefect.exceptions import ObjectAlreadyExists
+    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
     from prefect.settings import PREFECT_API_URL
 
     from gpuflow.training.reaper import run_supervised
@@ -122,10 +122,17 @@ def serve_node(service: NodeService) -> int:
         raise UserError("a node serves the Prefect server the team shares: set PREFECT_API_URL to it "
                         "(e.g. http://10.0.0.5:4200/api), as on the machine that starts the runs")
     name = service.name or socket.gethostname().split(".")[0]
-    key, made = make_node_key()  # before anything is served: a node without the key could admit no job
+    with get_client(sync_client=True) as client:
+        try:  # the pool's first machine makes the key; the others must have a copy of it
+            client.read_deployment_by_name(f"{train_node.name}/{service.pool}")
+            first = False
+        except ObjectNotFound:
+            first = True
+    key, made = make_node_key(service.pool, first)  # before anything is served: without it no job is admitted
     if made:
-        print(f"gpuflow node: made this pool's node key {key} (0600); copy it, 0600, to every machine of the pool "
-              "and every account that places runs (GPUFLOW_NODE_KEY names where it is)", file=sys.stderr)
+        print(f"gpuflow node: made pool {service.pool}'s node key {key} (0600); copy it, 0600, to every other "
+              "machine of the pool and every account that places runs (GPUFLOW_NODE_KEY names where it is)",
+              file=sys.stderr)
     with get_client(sync_client=True) as client:
         # machines starting together race to make the pool and the deployment: either wins
         with suppress(ObjectAlreadyExists):

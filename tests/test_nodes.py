@@ -116,7 +116,16 @@ def test_an_unchanged_torchrun_script_runs_on_two_nodes_in_one_run(cluster, tmp_
 
 
 def test_a_machine_whose_worker_is_gone_fails_the_run_by_its_start_deadline(cluster, tmp_path):
+    """...and the two live nodes' cancellation loads no code from their deployment, whose pull steps an API caller
+    set to run a command (Prefect's own executor runs them in the worker, to find a flow's hooks)."""
     from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import DeploymentUpdate
+
+    marker = tmp_path / "pulled"
+    with cluster.client_settings(), get_client(sync_client=True) as client:
+        deployment = client.read_deployment_by_name(f"train-node/{cluster.pool}")
+        client.update_deployment(deployment.id, DeploymentUpdate(pull_steps=[
+            {"prefect.deployments.steps.run_shell_script": {"script": f"touch {marker}"}}]))
 
     with cluster.client_settings(), get_client(sync_client=True) as client:
         client.create_work_queue(name="node-c", work_pool_name=cluster.pool, concurrency_limit=1)
@@ -140,6 +149,13 @@ def test_a_machine_whose_worker_is_gone_fails_the_run_by_its_start_deadline(clus
     while (left := _ranks([p for n in cluster.nodes for p in n.pids()])) and time.monotonic() < deadline:
         time.sleep(1)
     assert not left, left
+    with cluster.client_settings(), get_client(sync_client=True) as prefect:
+        live = [r for r in prefect.read_flow_runs() if r.parameters.get("job", {}).get("run_id") == run.info.run_id
+                and r.name.startswith(("node-a-", "node-b-"))]
+        ended = sorted(r.state.type.value for r in live)
+        assert ended == ["CANCELLED", "CANCELLED"], [(r.name, r.state) for r in live]
+        prefect.update_deployment(deployment.id, DeploymentUpdate(pull_steps=deployment.pull_steps or []))
+    assert not marker.exists()
 
 
 def replaceable_run_training(cluster, tmp_path: Path, name: str, rdzv_timeout_s: int, nodes: str = "2",
@@ -304,7 +320,8 @@ def test_a_node_runs_no_command_job_variable_or_forged_job_and_its_queue_stays_f
         again = client.create_flow_run_from_deployment(done.deployment_id, parameters=done.parameters,
                                                        work_queue_name="node-a")
         run = _wait_final(client, again.id, timeout=120)
-    assert run.state.type.value == "FAILED" and "refused node 0 of job" in run.state.message, run.state
+    assert run.state.type.value == "CRASHED" and "refused a copy of node 0 of job" in run.state.message, run.state
+    assert run.infrastructure_pid is None
     assert cluster.node_key.read_text().strip() not in err  # the key is never shown
 
 
