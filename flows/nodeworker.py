@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import sys
+from contextlib import suppress
 from uuid import UUID
 
 import anyio
@@ -50,29 +51,34 @@ class NodeWorker(ProcessWorker):
         fixed.prepare_for_flow_run(flow_run, work_pool=self.work_pool, worker_name=self.name,
                                    worker_id=self.backend_id)
         env = {k: v for k, v in {**fixed.env, FLOW_ENTRYPOINT_ENV: entrypoint}.items() if v is not None}
+        stopping = anyio.Event()  # set once a cancellation is being carried out: it then ends the run itself
         async with anyio.create_task_group() as group:
             def started(process) -> int:
-                group.start_soon(self.stop_when_cancelled, flow_run, process)
+                group.start_soon(self.stop_when_cancelled, flow_run, process, stopping)
                 return process.pid
 
             process = await run_process([sys.executable, "-m", "prefect.engine"], stream_output=True, env=env,
                                         cwd=self.folder, task_status=task_status or anyio.TASK_STATUS_IGNORED,
                                         task_status_handler=started)
-            group.cancel_scope.cancel()
+            if not stopping.is_set():
+                group.cancel_scope.cancel()
         return ProcessWorkerResult(status_code=process.returncode, identifier=str(process.pid))
 
-    async def stop_when_cancelled(self, flow_run, process) -> None:
+    async def stop_when_cancelled(self, flow_run, process, stopping: anyio.Event) -> None:
         """Once the run is CANCELLING (its parent, the UI): SIGTERM to its process (gpuflow stops what it started),
         SIGKILL after STOP_GRACE_S, then the run is marked Cancelled."""
         from prefect.states import Cancelled
 
         while not await self.cancelling(flow_run):
             await anyio.sleep(CANCEL_POLL_S)
-        process.send_signal(signal.SIGTERM)
+        stopping.set()
+        with suppress(ProcessLookupError):  # it ended meanwhile
+            process.send_signal(signal.SIGTERM)
         with anyio.move_on_after(STOP_GRACE_S):
             await process.wait()
         if process.returncode is None:
-            process.kill()
+            with suppress(ProcessLookupError):
+                process.kill()
             await process.wait()
         await self.client.set_flow_run_state(flow_run.id, Cancelled(message="cancelled: its node process stopped"),
                                              force=True)
