@@ -39,8 +39,8 @@ class StackService(BaseModel):
     data: str = Field(description="folder of the stack: its PostgreSQL cluster (unless --database-url), "
                       "Prefect's home, MLflow's artifacts and the servers' credentials; kept across restarts")
     database_url: str | None = Field(None, description="an existing PostgreSQL server, postgresql://user@host[:port]; "
-                                     "give its password in PGPASSWORD or ~/.pgpass: `ps` shows one in the URL to every "
-                                     "account (default: a cluster of its own in <data>/postgres)")
+                                     "its password in PGPASSWORD or ~/.pgpass (one in the URL is refused: `ps` shows it "
+                                     "to every account) (default: a cluster of its own in <data>/postgres)")
     host: str = Field(LOOPBACK, description="address both servers listen on (both ask for the credentials in "
                       "<data>/credentials.env; put a TLS proxy in front before opening it: see docs/machines.md)")
     prefect_port: int = Field(4200, ge=1, le=65535, description="port of the Prefect server")
@@ -110,18 +110,20 @@ def mlflow_env(data: Path, url: str, credentials: Credentials) -> dict:
                 MLFLOW_FLASK_SERVER_SECRET_KEY=secrets.token_hex(32))  # signs the sign-up form: the same in all workers
 
 
-def warn_of_a_shown_password(url: str | None) -> None:
-    """The stack hides the password from the processes it starts, but not from its own arguments."""
+def refuse_a_shown_password(url: str | None) -> None:
+    """A password in --database-url is refused before anything starts: the stack hides it from the processes it
+    starts, but `ps` shows the stack's own arguments to every account for as long as it runs."""
     if url and split_password(url)[1]:
-        print("gpuflow stack: the password in --database-url shows in `ps` to every account while the stack runs: "
-              "give it in PGPASSWORD or ~/.pgpass instead", flush=True)
+        raise UserError(f"--database-url {split_password(url)[0]} holds a password, which `ps` shows to every account while the "
+                        "stack runs: leave it out of the URL and give it in PGPASSWORD or ~/.pgpass (libpq's own), "
+                        "e.g. `PGPASSWORD=... gpuflow stack --data DIR --database-url postgresql://user@db-host:5432`")
 
 
 def publish_study_storage(api: str, url: str, credentials: Credentials) -> None:
     """Tell sweeps where the stack keeps studies (a Prefect Variable), unless that would show a password."""
-    if split_password(url)[1]:
-        print("gpuflow stack: sweeps keep their studies where --storage says (the database URL holds a password, "
-              "which a Prefect Variable would show to every API user)", flush=True)
+    if split_password(url)[1] or os.environ.get("PGPASSWORD"):
+        print("gpuflow stack: sweeps keep their studies where --storage says (the database takes a password, which "
+              "a Prefect Variable would show to every API user)", flush=True)
         return
     from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
     from prefect.variables import Variable
@@ -164,10 +166,10 @@ def announce(data: Path, credentials: Credentials, made: bool, api: str, ui: str
 
 def serve_stack(s: StackService) -> int:
     """Database, migrations, then both servers until stopped; what this process started stopped on the way out."""
+    refuse_a_shown_password(s.database_url)
     data = Path(s.data).expanduser().resolve()
     data.mkdir(mode=0o700, parents=True, exist_ok=True)
     lock = hold_lock(data)  # before anything else: a second stack on <data> touches nothing
-    warn_of_a_shown_password(s.database_url)
     os.umask(0o077)  # what the stack and its servers write is its account's alone
     cluster = None if s.database_url else Cluster(data)
     procs: list[subprocess.Popen] = []
