@@ -1,5 +1,6 @@
 """A node's side of a placed run (flows/nodes.py): which node it is, and the rendezvous, whose endpoint node 0
-publishes as a Prefect Variable for the others; torchrun's c10d rendezvous then gives the global ranks.
+publishes as a Prefect Variable for the others; torchrun's static rendezvous (node rank = the node's index) then
+gives the global ranks.
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ def rendezvous(job: NodeJob, nodes: int, timeout_s: float) -> Rendezvous:
             if time.monotonic() > deadline:
                 raise NodeFailed(f"node 0 {NO_ENDPOINT} within {timeout_s:g} s")
             time.sleep(POLL_S)
-    return Rendezvous(endpoint=endpoint, id=job.id, nnodes=nodes, host=job.index == 0, local_addr=address,
+    return Rendezvous(endpoint=endpoint, id=job.id, nnodes=nodes, rank=job.index, local_addr=address,
                       interface=interface_of(address))
 
 

@@ -14,7 +14,9 @@ CANCEL_GRACE_S = 10.0  # a node's machine answers a cancellation within it, or i
 DONE = {"COMPLETED"}
 ENDED = {"FAILED", "CRASHED", "CANCELLED", "CANCELLING"}
 WAITING = {"SCHEDULED", "PENDING", "LATE", "AWAITINGRETRY", "PAUSED"}
-RDZV_TIMEOUT = "RendezvousTimeoutError"  # a peer gave up waiting: one still waiting to start is the cause (CI11)
+# a peer gave up waiting (torchrun's static rendezvous: node 0's store, or a follower's connection to it): one still
+# waiting to start is the cause (CI11)
+RDZV_TIMEOUT = ("RendezvousTimeoutError", "waiting for clients", "DistStoreError")
 # A node's lines reach the server in batches (Prefect's every 2 s) from two processes, its worker and its flow run, so
 # one may land before lines already relayed: each read goes back this far behind the newest line relayed.
 LATE_S = 30
@@ -35,7 +37,7 @@ def watch(children: dict, start_timeout_s: float) -> None:
                 if all(s in DONE for s in states.values()):
                     return
                 late = [m for m, s in states.items() if s in WAITING]  # first: the others' rendezvous waits for it
-                gave_up = any(RDZV_TIMEOUT in (r.state.message or "") for r in runs.values() if r.state)
+                gave_up = any(gave_up_waiting(r.state.message) for r in runs.values() if r.state)
                 if late and (time.monotonic() - started > start_timeout_s or gave_up):
                     raise NodeFailed(f"node {late[0]} did not start within {start_timeout_s:g} s: no worker took "
                                      f"its queue; run `gpuflow node` on that machine, or pick other nodes",
@@ -51,6 +53,10 @@ def watch(children: dict, start_timeout_s: float) -> None:
         silent = [m for m in left_open if m in polled and last_polls(client, {m: runs[m]}).get(m) == polled[m]]
         lost, why = node_failure(runs, states, silent)
         raise NodeFailed(why, node=lost, repeats=getattr(runs[lost].state, "name", None) == WOULD_REPEAT)
+
+
+def gave_up_waiting(message: str | None) -> bool:
+    return any(sign in (message or "") for sign in RDZV_TIMEOUT)
 
 
 def last_polls(client, runs: dict) -> dict:
@@ -79,7 +85,7 @@ def node_failure(runs: dict, states: dict, silent: list[str]) -> tuple[str, str]
         why = (runs[m].state.message or states[m]).splitlines()[0]
         waited_for = [o for o, s in states.items() if s not in ENDED | DONE]  # node 0 first
         said = runs[m].state.message or ""
-        if waited_for and (NO_ENDPOINT in said or RDZV_TIMEOUT in said and len(waited_for) == 1):
+        if waited_for and (NO_ENDPOINT in said or gave_up_waiting(said) and len(waited_for) == 1):
             m, why = waited_for[0], f"it never joined the rendezvous: node {m} gave up waiting for it ({why})"
     others = ", ".join(f"{o} {s.lower()}" for o, s in states.items() if o != m)
     return m, f"node {m} failed: {why} (other nodes: {others})"

@@ -33,12 +33,14 @@ if TYPE_CHECKING:  # the request: the flows' parameters
 
 
 class Rendezvous(BaseModel):
-    """A placed job's c10d rendezvous: every node's agent joins the store node 0's agent hosts at `endpoint`."""
+    """A placed job's static rendezvous: every node's agent joins the store node 0's agent hosts at `endpoint`, as
+    node `rank` (torchrun's c10d rendezvous would unpickle the state its store holds: whoever reaches that port could
+    run code in every agent)."""
 
     endpoint: str
     id: str
     nnodes: int
-    host: bool
+    rank: int
     local_addr: str
     interface: str | None = None  # the one local_addr is on: gloo's and NCCL's sockets use it
 
@@ -75,10 +77,10 @@ def torchrun(plan: DevicePlan, opts: PipelineParams | ScriptParams, rdzv: Rendez
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={plan.nproc_per_node}",
            f"--max-restarts={restarts}", "--role=rank", f"--log-dir={log_dir}"]
     if rdzv:  # its peers leave within a second; restarting them would resume from different checkpoints
-        return [*cmd, f"--nnodes={rdzv.nnodes}:{rdzv.nnodes}",
-                "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv.endpoint}", f"--rdzv-id={rdzv.id}",
-                f"--local-addr={rdzv.local_addr}",  # the workers' MASTER_ADDR, when rank 0 is here
-                f"--rdzv-conf=is_host={str(rdzv.host).lower()},join_timeout={opts.rdzv_timeout_s}"]
+        host, _, port = rdzv.endpoint.rpartition(":")
+        return [*cmd, f"--nnodes={rdzv.nnodes}", f"--node-rank={rdzv.rank}", f"--master-addr={host}",
+                f"--master-port={port}", f"--local-addr={rdzv.local_addr}",
+                f"--rdzv-conf=timeout={opts.rdzv_timeout_s}"]
     if getattr(opts, "nnodes", 1) == 1 and not getattr(opts, "rdzv_endpoint", None):  # all ranks here
         cmd += ["--standalone",  # c10d on a free localhost port: parallel runs never collide
                 f"--rdzv-conf=join_timeout={opts.rdzv_timeout_s}"]

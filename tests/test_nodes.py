@@ -62,10 +62,12 @@ def test_a_run_placed_on_two_nodes_trains_as_one_node_with_two_processes(cluster
 
     # each node launched from its own address; both joined node 0's published endpoint
     net = {n.name: n.addr for n in cluster.nodes}
-    found = re.findall(r"\[(node-[ab])\] launching: .*?--rdzv-endpoint=(\S+) .*?--local-addr=(\S+)", err)
-    launches = {n: (endpoint, addr) for n, endpoint, addr in found}
-    assert {n: addr for n, (_, addr) in launches.items()} == net, err[-4000:]
-    assert {ep.rpartition(":")[0] for ep, _ in launches.values()} == {net["node-a"]}  # node 0 hosts the store
+    found = re.findall(r"\[(node-[ab])\] launching: .*?--node-rank=(\d) --master-addr=(\S+) --master-port=\d+ "
+                       r"--local-addr=(\S+)", err)  # torchrun's static rendezvous: no state unpickled from a store
+    launches = {n: (rank, master, addr) for n, rank, master, addr in found}
+    assert {n: addr for n, (_, _, addr) in launches.items()} == net, err[-4000:]
+    assert {master for _, master, _ in launches.values()} == {net["node-a"]}  # node 0 hosts the store
+    assert {n: rank for n, (rank, _, _) in launches.items()} == {"node-a": "0", "node-b": "1"}
 
     # one MLflow run, owned by the parent, with both nodes' environments and rank 0's results
     client = open_store(f"sqlite:///{tmp_path / 'mlflow.db'}")
