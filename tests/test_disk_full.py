@@ -8,7 +8,6 @@ import errno
 import json
 import logging
 import os
-import subprocess
 import sys
 import textwrap
 import time
@@ -20,6 +19,7 @@ from gpuflow.tasks.failure import would_repeat
 from gpuflow.training import contract
 from gpuflow.training.errors import DiskFull
 from tests.helpers import child_env, run_worker
+from tests.test_bad_data import small_disk  # noqa: F401  (a fixture: a 64 KiB tmpfs)
 
 FILLER = textwrap.dedent("""
     import os, torch
@@ -38,20 +38,6 @@ FILLER = textwrap.dedent("""
         def forward(self, x):
             return super().forward(x.flatten(1))
 """)
-
-
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 64 KiB tmpfs: writes past that fail with ENOSPC, as on a full disk."""
-    mnt = tmp_path / "small-disk"
-    mnt.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.decode().strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)
 
 
 def fill(folder) -> None:
