@@ -1,7 +1,11 @@
 import atexit
+import contextvars
+import faulthandler
 import os
 import shutil
+import sys
 import tempfile
+import threading
 
 import pytest
 
@@ -72,10 +76,34 @@ def prefect_api(tmp_path_factory):
     """One Prefect test server for the whole session (it takes ~15 s to start)."""
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     os.environ["GPUFLOW_LOCK_DIR"] = str(tmp_path_factory.mktemp("locks"))
-    from prefect.testing.utilities import prefect_test_harness
+    import prefect.testing.utilities as harness
 
-    with prefect_test_harness(server_startup_timeout=180):
+    with harness.prefect_test_harness(server_startup_timeout=180):
         yield
+        harness.run_coro_as_sync = _bounded(harness.run_coro_as_sync)  # what the harness's teardown drains with
+
+
+DRAIN_S = 60  # how long the session's end waits for Prefect's log and event workers to send what they hold
+
+
+def _bounded(run_coro_as_sync):
+    """prefect_test_harness drains Prefect's log and event workers with no timeout before it stops its server; CI
+    once waited there until pytest-timeout failed a test that had passed (stop 63). Here the drain runs on a thread
+    of its own for at most DRAIN_S: past that, every thread's stack goes to stderr (what was stuck) and the harness
+    stops its server all the same."""
+
+    def bounded(coro):
+        context = contextvars.copy_context()  # the harness's settings: its API and database
+        drain = threading.Thread(target=context.run, args=(run_coro_as_sync, coro), daemon=True,
+                                 name="prefect-harness-drain")
+        drain.start()
+        drain.join(DRAIN_S)
+        if drain.is_alive():
+            print(f"conftest: Prefect's log and event workers did not drain in {DRAIN_S} s; every thread's stack:",
+                  file=sys.stderr, flush=True)
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+
+    return bounded
 
 
 @pytest.fixture
