@@ -1,21 +1,25 @@
 """The temporary Prefect API of a `gpuflow` command when PREFECT_API_URL is unset: `prefect server start` in a
-session of its own, so a Ctrl-C stops the flow (which records its end) before the server. Servers on one
-PREFECT_HOME start one at a time (each migrates the shared database) and keep concurrency leases in that home.
+session of its own, so a Ctrl-C stops the flow (which records its end) before the server, on a PREFECT_HOME of its
+own: it shares no state with any other server (#58: on the user's ~/.prefect it saw a `gpuflow serve`'s device
+limit, and a plain run queued behind served runs). A migrated empty database kept in PREFECT_HOME is copied in, so
+that each start does not migrate anew.
 """
 
 from __future__ import annotations
 
 import atexit
-import fcntl
 import os
+import shutil
 import socket
+import sqlite3
+import stat
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
-from contextlib import ExitStack, contextmanager
+from contextlib import closing, contextmanager
 from pathlib import Path
 from typing import IO, Iterator
 
@@ -57,64 +61,89 @@ def http_status(url: str, authorization: str | None = None, timeout: float = 2) 
         return None
 
 
-def _lock_path() -> Path:
-    """Beside the server's SQLite database; in PREFECT_HOME for any other database."""
+TEMPLATE = "gpuflow/temporary-api-prefect-{version}.db"  # in PREFECT_HOME: an empty, migrated database to copy
+
+
+def template_path() -> Path:
+    import prefect
     from prefect.settings import get_current_settings
-    from sqlalchemy.engine import make_url
 
-    settings = get_current_settings()
-    url = make_url(settings.server.database.connection_url.get_secret_value())
-    if url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:"):
-        return Path(f"{url.database}.gpuflow-start.lock").expanduser()
-    return Path(settings.home).expanduser() / "gpuflow-api-start.lock"
+    return Path(get_current_settings().home).expanduser() / TEMPLATE.format(version=prefect.__version__)
 
 
-@contextmanager
-def one_start_at_a_time() -> Iterator[None]:
-    """Held while a server on this PREFECT_HOME starts: two servers migrating one database break it."""
-    path = _lock_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as lock:  # closing the file releases the lock
-        deadline = None
-        while True:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if deadline is None:
-                    print("gpuflow: waiting for another Prefect API on this PREFECT_HOME to start", file=sys.stderr,
-                          flush=True)
-                    deadline = time.monotonic() + startup_timeout()
-                elif time.monotonic() > deadline:
-                    raise RuntimeError(f"another Prefect API start held {path} for over {startup_timeout():.0f} s "
-                                       f"({STARTUP_TIMEOUT_ENV}); set PREFECT_API_URL to use a running server")
-                time.sleep(0.2)
-        yield
+def _own_template(path: Path) -> int | None:
+    """An open descriptor of the template if it is a plain file of this account that no other can write; else None
+    (none yet, or planted: a database another account wrote would be the API's)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    st = os.fstat(fd)
+    if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o022:
+        return fd
+    os.close(fd)
+    return None
+
+
+def private_home() -> tuple[Path, bool]:
+    """A new PREFECT_HOME of this command alone (mode 0700), with a copy of the template database if there is one;
+    (the home, whether it got the copy). Nothing of another user's, another serve's or an earlier run's is in it:
+    not the device limit of a `gpuflow serve` (a plain run queued behind its served runs), not a stranger's runs."""
+    home = Path(tempfile.mkdtemp(prefix="gpuflow-prefect-"))
+    fd = _own_template(template_path())
+    if fd is None:
+        return home, False
+    with os.fdopen(fd, "rb") as template, open(home / "prefect.db", "wb") as db:
+        shutil.copyfileobj(template, db)
+    return home, True
+
+
+def save_template(home: Path) -> None:
+    """Keep the just-migrated database of `home` as the template, so the next temporary API starts without
+    migrating (about half its start); a failure only costs the next start that time."""
+    path = template_path()
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".template-")  # 0600
+        os.close(fd)
+        with closing(sqlite3.connect(home / "prefect.db")) as src, closing(sqlite3.connect(tmp)) as dst:
+            src.backup(dst)  # with what its write-ahead log holds: a copy of the file alone misses it
+            dst.execute("PRAGMA journal_mode=DELETE")  # one self-contained file to copy (the server sets WAL again)
+        os.replace(tmp, path)
+    except (OSError, sqlite3.Error) as e:
+        print(f"gpuflow: could not keep the temporary API's database as {path} ({e}); the next one migrates anew",
+              file=sys.stderr, flush=True)
 
 
 class TemporaryApi:
-    """A `prefect server start` on a free port of loopback, started at once and stopped at exit; `up()` waits until
-    it answers (its migrations done). Started before a command's imports, it boots while they run."""
+    """A `prefect server start` on a free port of loopback and on a private PREFECT_HOME, started at once and stopped
+    at exit (its home removed then); `up()` waits until it answers (its migrations done). Started before a
+    command's imports, it boots while they run."""
 
     def __init__(self):
-        self._starting = ExitStack()
-        self._starting.enter_context(one_start_at_a_time())  # held until it is up
         port = _free_port()
         self.url = f"http://127.0.0.1:{port}/api"
+        self.home, self._copied = private_home()
         cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port),
                "--no-ui", "--no-services", "--analytics-off"]
         print(f"gpuflow: starting a temporary Prefect API on {self.url} (set PREFECT_API_URL to use a server)",
               file=sys.stderr, flush=True)
         # Its messages go to a file: a pipe nobody reads while the flow runs could fill and block it.
         self.log = tempfile.TemporaryFile("w+")
+        # the home's own database, whatever PREFECT_SERVER_DATABASE_CONNECTION_URL says for the user's servers
+        env = dict(server_environment(), PREFECT_HOME=str(self.home),
+                   PREFECT_SERVER_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{self.home / 'prefect.db'}")
+        atexit.register(shutil.rmtree, self.home, ignore_errors=True)  # at exit hooks run last first: after the stop
         self.server = start_supervised(cmd, reap=False, stdout=subprocess.DEVNULL, stderr=self.log, text=True,
-                                       env=server_environment(), start_new_session=True)
+                                       env=env, start_new_session=True)
         # Stopped at exit, after Prefect's own exit hooks have sent their last logs and events.
         atexit.register(stop_supervised, [self.server], grace_s=15)
 
     def up(self) -> str:
-        with self._starting:
-            wait_until_up(self.server, self.url, self.log)
+        wait_until_up(self.server, self.url, self.log)
+        if not self._copied:
+            save_template(self.home)
+            self._copied = True
         return self.url
 
 

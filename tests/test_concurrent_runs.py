@@ -1,6 +1,8 @@
 """Commands started together on one machine: each `gpuflow run` or `evaluate` without
-PREFECT_API_URL starts a temporary Prefect API on the same `$PREFECT_HOME/prefect.db`; all of
-them work, even on a fresh PREFECT_HOME where every server would create the database at once."""
+PREFECT_API_URL starts a temporary Prefect API on a PREFECT_HOME of its own, from the template
+database kept in the user's PREFECT_HOME; all of them work, even on a fresh PREFECT_HOME where
+every one of them migrates a database and writes the template at once, and none of them leaves
+a flow run in the user's PREFECT_HOME."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from gpuflow.flows.api import template_path
 from gpuflow.tasks.tracking.store import open_store  # under gpuflow's lock: a run may be creating the file
 from tests.helpers import child_env
 
@@ -53,9 +56,12 @@ def wait_all(procs: list[subprocess.Popen]) -> list[int]:
                 p.wait()
 
 
-def flow_run_states(prefect_home: Path) -> list[str]:
-    with sqlite3.connect(prefect_home / "prefect.db") as db:
-        return [state for (state,) in db.execute("select state_type from flow_run")]
+def left_in(prefect_home: Path) -> list[str]:
+    """What the commands left in the user's PREFECT_HOME: the template only (a usable, migrated database)."""
+    (template,) = (prefect_home / "gpuflow").iterdir()
+    with sqlite3.connect(template) as db:
+        assert db.execute("select count(*) from flow_run").fetchone() == (0,)
+    return sorted(str(p.relative_to(prefect_home)) for p in prefect_home.rglob("*") if p.is_file())
 
 
 def test_runs_started_together_on_a_fresh_prefect_home_all_finish(tmp_path):
@@ -65,7 +71,7 @@ def test_runs_started_together_on_a_fresh_prefect_home_all_finish(tmp_path):
     codes = wait_all([start_run(tmp_path, name, env) for name in names])
     assert codes == [0] * RUNS, {n: (tmp_path / f"{n}.log").read_text()[-3000:] for n, c in zip(names, codes) if c}
     assert run_states(tmp_path) == {n: "FINISHED" for n in names}
-    assert flow_run_states(tmp_path / "ph") == ["COMPLETED"] * RUNS  # all recorded in the one prefect.db
+    assert left_in(tmp_path / "ph") == [f"gpuflow/{template_path().name}"]
 
 
 def test_temporary_apis_started_together_on_a_fresh_prefect_home_all_serve(tmp_path):
@@ -76,4 +82,4 @@ def test_temporary_apis_started_together_on_a_fresh_prefect_home_all_serve(tmp_p
                                        env=env, stdout=subprocess.DEVNULL, stderr=open(log, "w"),
                                        start_new_session=True) for log in logs])
     assert codes == [0] * APIS, {log.stem: log.read_text()[-3000:] for log, c in zip(logs, codes) if c}
-    assert flow_run_states(tmp_path / "ph") == ["COMPLETED"] * APIS
+    assert left_in(tmp_path / "ph") == [f"gpuflow/{template_path().name}"]

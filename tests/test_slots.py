@@ -1,7 +1,8 @@
 """This host's device slot (a Prefect global concurrency limit, as `gpuflow serve` makes it) on a
-real Prefect server: a holder killed with SIGKILL frees it for the next run within seconds, served
-or through a `gpuflow run`'s temporary API on the same PREFECT_HOME, and a `gpuflow run` waiting
-for it stops on SIGTERM with its temporary API."""
+real Prefect server: a holder killed with SIGKILL frees it for the next run within seconds, a holder
+renews its lease on the API that granted it (one its context names, not its environment), a
+`gpuflow run` waiting for it stops on SIGTERM, and a `gpuflow run` on its temporary API shares
+nothing with that server even on the same PREFECT_HOME."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from gpuflow.flows.api import server_environment
+from gpuflow.flows.api import server_environment, template_path
 from gpuflow.tasks.devices.cards import lock_dir
 from gpuflow.tasks.devices.slot import DEVICE_LIMIT
 from tests.helpers import ROOT, child_env
@@ -42,6 +43,17 @@ from prefect.client.orchestration import get_client
 from gpuflow.tasks.devices.slot import DEVICE_LIMIT, _take_slot
 with get_client(sync_client=True) as client:
     print("held", _take_slot(client, DEVICE_LIMIT.format(host=socket.gethostname())), flush=True)
+    time.sleep(900)
+"""
+
+# a served run's context, as `gpuflow serve` and `prefect_api()` make it: the API in the settings, not the environment
+HOLD_IN_CONTEXT = """
+import sys, time
+from prefect.settings import PREFECT_API_URL, temporary_settings
+from gpuflow.tasks.devices import slot
+slot.RENEW_S = 1.0  # renewed every second, to see renewals within seconds (the lease: 60 s)
+with temporary_settings(updates={PREFECT_API_URL: sys.argv[1]}), slot.device_slot():
+    print("held", flush=True)
     time.sleep(900)
 """
 
@@ -151,23 +163,63 @@ def test_a_slot_whose_served_holder_is_killed_goes_to_the_next_served_run_within
     _take_after_killing(holder, _env(server), tmp_path / "taker.log")
 
 
-def test_a_slot_whose_served_holder_is_killed_goes_to_a_gpuflow_run_on_its_own_api_within_seconds(
+def test_a_gpuflow_run_on_its_temporary_api_shares_nothing_with_the_server_on_its_prefect_home(
         server, holder, tmp_path):
-    _take_after_killing(holder, _env(server, served=False), tmp_path / "taker.log")
+    """#58: the temporary API ran on the user's PREFECT_HOME database, saw a serve's device limit and queued a plain
+    run behind served runs. Now it has a home of its own: the slot held on the server is not its business."""
+    log = tmp_path / "taker.log"
+    before = sorted(p.name for p in server["home"].iterdir())
+    (tmp_path / "tmp").mkdir()
+    taker = _start(TAKE, {**_env(server, served=False), "TMPDIR": str(tmp_path / "tmp")}, log)
+    try:
+        _wait_for(taker, log, "taken", START_S)
+        assert taker.wait(60) == 0, log.read_text()[-3000:]
+    finally:
+        _end(taker, log)
+    assert "waiting for this host's device slot" not in log.read_text()
+    # the shared home got nothing of it but the empty database later temporary APIs start from
+    assert sorted(p.name for p in server["home"].iterdir() if p.name != "gpuflow") == before
+    assert [p.name for p in (server["home"] / "gpuflow").iterdir()] == [template_path().name]
+    assert not list((tmp_path / "tmp").iterdir())  # its own home is gone with it
 
 
-def test_sigterm_stops_a_gpuflow_run_waiting_for_the_slot_and_its_temporary_api(server, holder, tmp_path):
+def test_a_holder_renews_its_lease_on_the_api_its_context_names(server, tmp_path):
+    """#58: the renewal thread did not see the API of its flow's context (prefect_api(), gpuflow serve): Prefect
+    started a server of its own for it, every renewal answered 410, and the slot was free after 60 s while the run
+    still trained. The lease's expiry on the server moves on with each renewal, and no other server starts."""
+    log = tmp_path / "holder.log"
+    env = _env(server, served=False)  # no PREFECT_API_URL in the environment: only the context names the server
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_IN_CONTEXT, server["api"]], cwd=ROOT, env=env,
+                              stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _wait_for(holder, log, "held", START_S)
+        leases = server["home"] / "concurrency_leases"
+        (lease,) = [p for p in leases.glob("*.json") if p.name != "expirations.json"]
+        first = json.loads(lease.read_text())["expiration"]
+        deadline = time.monotonic() + 60
+        while json.loads(lease.read_text())["expiration"] == first:
+            assert holder.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, f"the lease was not renewed within 60 s:\n{log.read_text()}"
+            time.sleep(0.5)
+        assert "Starting temporary server" not in log.read_text(), log.read_text()
+        assert not [c for c in psutil.Process(holder.pid).children(recursive=True) if "prefect" in c.cmdline()]
+    finally:
+        holder.kill()
+        holder.wait()
+    _post(server["api"], "/v2/concurrency_limits/decrement-with-lease", {"lease_id": lease.stem})
+
+
+def test_sigterm_stops_a_gpuflow_run_waiting_for_the_slot(server, holder, tmp_path):
     log = tmp_path / "run.log"
     cmd = [sys.executable, "-m", "gpuflow.flows", "run", "--dataset", "synthetic", "--epochs", "1", "--gpus", "cpu",
            "--tracking-uri", f"sqlite:///{tmp_path / 'mlflow.db'}", "--runs-dir", str(tmp_path / "runs")]
-    run = subprocess.Popen(cmd, cwd=tmp_path, env=_env(server, served=False), stdout=subprocess.DEVNULL,
+    run = subprocess.Popen(cmd, cwd=tmp_path, env=_env(server), stdout=subprocess.DEVNULL,
                            stderr=open(log, "w"), start_new_session=True)
     tree = [psutil.Process(run.pid)]
     try:
         _wait_for(run, log, "waiting for this host's device slot", START_S)
         assert f"pid {holder.pid} of" in log.read_text()  # who holds it
         tree += psutil.Process(run.pid).children(recursive=True)
-        assert any(p.cmdline()[1:4] == ["-m", "prefect", "server"] for p in tree), tree  # its temporary API
         run.send_signal(signal.SIGTERM)
         try:
             assert run.wait(STOPPED_WITHIN_S) == 128 + signal.SIGTERM, log.read_text()[-3000:]

@@ -13,6 +13,7 @@ import tempfile
 import threading
 import time
 from contextlib import contextmanager
+from contextvars import copy_context
 from pathlib import Path
 from uuid import UUID
 
@@ -23,6 +24,7 @@ from .cards import lock_dir, make_shared_dir, user_name
 DEVICE_LIMIT = "gpuflow-devices-{host}"  # this host's device-holding served runs queue on it (flows/serve.py)
 SLOT_LEASE_S = 60.0  # the shortest lease Prefect's server grants: it bounds a dead holder no waiting run can see
 SLOT_POLL_S = 2.0  # how often a waiting run asks for the slot again and looks for dead holders
+RENEW_S = SLOT_LEASE_S / 3  # two renewals may fail before the lease lapses
 log = logging.getLogger(__name__)
 
 
@@ -115,7 +117,7 @@ def _release_dead_holders(client, name: str) -> tuple[list[str], int]:
     """Release the lease of every holder file no living process locks; (who holds the others, how many freed)."""
     holders, freed = [], 0
     for path in sorted(lock_dir().glob(f"{name}.*.slot")):
-        lease = _lease_of(path)
+        lease = _lease_of(path, name)
         if lease is None:
             continue  # a stray or planted name: nothing to release
         try:
@@ -135,12 +137,14 @@ def _release_dead_holders(client, name: str) -> tuple[list[str], int]:
     return holders, freed
 
 
-def _lease_of(path: Path) -> UUID | None:
-    """The lease a holder file names (`<limit>.<lease>.slot`), or None for any other name."""
+def _lease_of(path: Path, name: str) -> UUID | None:
+    """The lease a holder file of `name` names (`<name>.<lease>.slot`), or None for any other name (a planted
+    `<name>.x.<lease>.slot` must not release a living holder's lease)."""
     try:
-        return UUID(path.stem.rsplit(".", 1)[1])
-    except (ValueError, IndexError):
+        lease = UUID(path.name.removeprefix(f"{name}.").removesuffix(".slot"))
+    except ValueError:
         return None
+    return lease if path.name == f"{name}.{lease}.slot" else None
 
 
 def _remove(path: Path) -> bool:
@@ -157,20 +161,23 @@ def _remove(path: Path) -> bool:
 
 @contextmanager
 def _renewed(lease: UUID):
-    """The lease renewed by a thread while the block runs."""
+    """The lease renewed by a thread while the block runs, on the API that granted it: the thread runs in this
+    context, whose settings may name an API that no environment variable does (`prefect_api()`'s, `gpuflow
+    serve`'s); a thread of its own would find none and renew on a temporary server Prefect starts for it (#58: the
+    lease lapsed after 60 s while the run trained)."""
     from prefect.client.orchestration import get_client
 
     stop = threading.Event()
 
     def renew() -> None:
         with get_client(sync_client=True) as client:
-            while not stop.wait(SLOT_LEASE_S / 3):  # two renewals may fail before the lease lapses
+            while not stop.wait(RENEW_S):
                 try:
                     client.renew_concurrency_lease(lease, SLOT_LEASE_S)
                 except Exception as e:  # the run goes on; the slot may be given to another run meanwhile
                     log.warning("device slot lease %s not renewed: %s", lease, e)
 
-    thread = threading.Thread(target=renew, name="device-slot-lease", daemon=True)
+    thread = threading.Thread(target=copy_context().run, args=(renew,), name="device-slot-lease", daemon=True)
     thread.start()
     try:
         yield
