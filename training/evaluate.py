@@ -232,14 +232,18 @@ def _outputs(model, x, dev: torch.device, batch_size: int, path: str):
 
 
 def _on_cpu(out, path: str):
-    """A batch's outputs as float32 (floating) CPU tensors; a dict's non-tensor entries (a None loss) left out."""
+    """A batch's outputs as float32 (floating) CPU tensors; a dict's non-tensor entries (a None loss) left out, a
+    tuple's or list's first tensor alone, as the registered model's predict returns (logits first, as nanoGPT)."""
     cpu = (lambda t: t.float().cpu() if t.is_floating_point() else t.cpu())
+    if isinstance(out, (tuple, list)):
+        out = next((v for v in out if isinstance(v, torch.Tensor)), out)
     if isinstance(out, torch.Tensor):
         return cpu(out)
     if isinstance(out, Mapping):
         return {k: cpu(v) for k, v in out.items() if isinstance(v, torch.Tensor)}
     raise UserError(f"the model returned a {type(out).__name__} for the samples of inputs file {path!r}; "
-                    "`gpuflow infer` reports a tensor or a dict of tensors: return one from forward")
+                    "`gpuflow infer` reports a tensor, a dict of tensors or a tuple's first tensor: return one "
+                    "from forward")
 
 
 def _listed(out) -> list | dict:

@@ -16,7 +16,8 @@ from .objective import apply, call_model, split_batch
 @torch.no_grad()
 def model_example(model, val, device, n: int = 2) -> tuple:
     """(the first `n` validation inputs as an array or a dict of arrays, the model's outputs on them as
-    [{"name", "dtype", "shape"}]); (None, None) for positional tuple inputs. Floats become float32."""
+    [{"name", "dtype", "shape"}], a tuple's first tensor with its "element" and "container"); (None, None) for
+    positional tuple inputs. Floats become float32."""
     inputs, _ = split_batch(default_collate([val[i] for i in range(min(n, len(val)))]))
     if not (isinstance(inputs, torch.Tensor) or
             isinstance(inputs, dict) and all(isinstance(v, torch.Tensor) for v in inputs.values())):
@@ -32,6 +33,11 @@ def model_example(model, val, device, n: int = 2) -> tuple:
     if isinstance(out, Mapping):  # a dict or a ModelOutput: its per-sample tensors (not a None loss)
         named = [spec(k, v) for k, v in out.items() if isinstance(v, torch.Tensor) and v.dim() > 0]
         return example, named or None
+    if isinstance(out, (tuple, list)):  # the registered model predicts its first tensor (registered_model.py)
+        at = next((i for i, v in enumerate(out) if isinstance(v, torch.Tensor)), None)
+        if at is None or out[at].dim() == 0:
+            return example, None
+        return example, [spec(None, out[at]) | {"element": at, "container": type(out).__name__}]
     return example, ([spec(None, out)] if isinstance(out, torch.Tensor) and out.dim() > 0 else None)
 
 

@@ -122,6 +122,31 @@ def resolve(ref: str, code_root: str | None, what: str = "reference"):
     return target
 
 
+def loaded_by(ref: str, code_root: str | None, what: str = "reference") -> dict[str, str]:
+    """{module name: where it lives (a package: its folder; a module: its file)} of every module that importing
+    `ref`'s module loaded, in load order; call it in a fresh process, which imported nothing of that code before.
+
+    What a registered model ships is what its import actually loaded, not what a reading of its code guesses."""
+    before = set(sys.modules)
+    resolve(ref, code_root, what)
+    found = {}
+    for name, module in list(sys.modules.items()):
+        if name in before or module is None:
+            continue
+        where = getattr(module, "__file__", None) or _folder(module)  # a namespace package: a folder, no file
+        if isinstance(where, str):
+            found[name] = str(Path(where).parent if Path(where).stem == "__init__" else where)
+    return found
+
+
+def _folder(module) -> str | None:
+    """A namespace package's first folder; None for anything else (torch puts objects of its own in sys.modules)."""
+    try:
+        return next(iter(module.__path__), None)
+    except (AttributeError, TypeError):
+        return None
+
+
 REFERENCE_FIELDS = ("model", "dataset", "objective")  # the parameters that may name user code
 
 

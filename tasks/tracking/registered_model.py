@@ -5,6 +5,10 @@ nothing is unpickled.
     model = mlflow.pyfunc.load_model("models:/<name>@champion")
     model.predict(x)                        # x: array (N, *input shape), or {name: array} for forward(**inputs)
     model.unwrap_python_model().model       # the plain nn.Module
+
+What predict returns is what forward returns, as arrays: a tensor's array; a dict's (or ModelOutput's) tensors by
+name; a tuple's or list's first tensor, as `(logits, loss)` (nanoGPT) and a Hugging Face model's tuple without labels
+put their logits first: return a dict from forward to predict several outputs.
 """
 
 import functools
@@ -32,22 +36,23 @@ def _same_code(module_name: str, code: Path, origin: str) -> bool:
     return mine.is_file() and theirs.is_file() and mine.read_bytes() == theirs.read_bytes()
 
 
-def _ships(code: Path, top: str) -> bool:
-    """Whether the model's own code (its `code/` folder) holds the top-level package or module `top`."""
-    return (code / top).is_dir() or (code / f"{top}.py").is_file()
+def _shipped(code: Path) -> list[str]:
+    """The top-level packages and modules of the model's own code (its `code/` folder)."""
+    entries = sorted(code.iterdir()) if code.is_dir() else []
+    return [p.stem if p.suffix == ".py" else p.name for p in entries
+            if p.suffix == ".py" or (p.is_dir() and p.name != "__pycache__")]
 
 
 def _import(reference: str, code: Path):
     module_name, _, attr = reference.rpartition(":")
-    top = module_name.split(".")[0]
-    loaded = sys.modules.get(top)
-    origin = getattr(loaded, "__file__", None) or next(iter(getattr(loaded, "__path__", [])), None)
-    # only code the model ships can differ from what this process imported; an installed package is the environment's
-    if (origin and _ships(code, top) and code not in Path(origin).resolve().parents
-            and not _same_code(module_name, code, origin)):
-        raise ImportError(f"this model's code is the package {top!r} (in {code}), but this process has "
-                          f"already imported another {top!r} from {origin}; load the model in a fresh "
-                          "process, or one that has not imported that module")
+    for top in _shipped(code):  # only code the model ships can differ: an installed package is the environment's
+        loaded = sys.modules.get(top)
+        origin = getattr(loaded, "__file__", None) or next(iter(getattr(loaded, "__path__", [])), None)
+        mine = module_name if module_name.split(".")[0] == top else top
+        if origin and code not in Path(origin).resolve().parents and not _same_code(mine, code, origin):
+            raise ImportError(f"this model's code holds the package {top!r} (in {code}), but this process has "
+                              f"already imported another {top!r} from {origin}; load the model in a fresh "
+                              "process, or one that has not imported that module")
     return functools.reduce(getattr, attr.split("."), importlib.import_module(module_name))
 
 
@@ -70,7 +75,7 @@ class CheckpointModel(PythonModel):
     # np.ndarray: the hint MLflow reads as "validate by the signature, not the hint"; dicts pass too
     def predict(self, context, model_input: np.ndarray, params=None):
         """An array (N, *input shape), or {name: array} for forward(**inputs), dtypes kept but floats as float32;
-        returns an array, or {name: array} of a dict output's tensors, floats as float32."""
+        returns an array, or {name: array} of a dict output's tensors, floats as float32 (see the module's doc)."""
         import torch
 
         with torch.no_grad():
@@ -80,6 +85,8 @@ class CheckpointModel(PythonModel):
                 out = self.model(_tensor(model_input))
         if isinstance(out, Mapping):
             return {k: _array(v) for k, v in out.items() if isinstance(v, torch.Tensor)}
+        if isinstance(out, (tuple, list)):
+            out = _first_tensor(out)
         return _array(out)
 
 
@@ -88,6 +95,17 @@ def _tensor(value):
 
     a = np.asarray(value)
     return torch.as_tensor(a.astype(np.float32, copy=False) if a.dtype.kind == "f" else a)
+
+
+def _first_tensor(out):
+    """A tuple's or list's first tensor (a None loss before it is skipped); TypeError without one."""
+    import torch
+
+    found = next((v for v in out if isinstance(v, torch.Tensor)), None)
+    if found is None:
+        raise TypeError(f"the model returned a {type(out).__name__} of {', '.join(type(v).__name__ for v in out)}"
+                        ", holding no tensor; return a tensor, a dict of tensors, or a tuple whose first is one")
+    return found
 
 
 def _array(t) -> np.ndarray:

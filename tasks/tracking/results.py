@@ -14,6 +14,7 @@ from prefect.cache_policies import NO_CACHE
 
 from gpuflow.training.contract import RunFolder
 
+from .modelcode import model_code
 from .tracked import TrackedRun
 
 
@@ -41,33 +42,6 @@ def _warm() -> None:
         from mlflow.utils.requirements_utils import warn_dependency_requirement_mismatches
 
         warn_dependency_requirement_mismatches(["mlflow"])
-
-
-def model_code(spec: dict, code_root: str | None, folder: Path) -> tuple[str, list[str]]:
-    """(the model's reference inside the registered model, the code to ship in `code_paths`).
-
-    Built-in models ship gpuflow's models file, a module reference its top-level package, a file reference that
-    file; code installed in site-packages is not shipped (a requirement of the environment instead)."""
-    import importlib.util
-    import shutil
-    import sys
-
-    from gpuflow.training.config import BUILTIN_MODELS_MODULE
-    from gpuflow.training.refs import is_file_reference
-
-    module, _, attr = spec["reference"].rpartition(":")
-    if module == BUILTIN_MODELS_MODULE:  # located, not imported: no torch in the flow
-        shipped = folder / "gpuflow_builtin_models.py"
-        shutil.copyfile(importlib.util.find_spec(BUILTIN_MODELS_MODULE).origin, shipped)
-        return f"{shipped.stem}:{attr}", [str(shipped)]
-    if is_file_reference(spec["reference"]):
-        return f"{Path(module).stem}:{attr}", [module]
-    top = module.split(".")[0]
-    if code_root and code_root not in sys.path:
-        sys.path.insert(0, code_root)
-    found = importlib.util.find_spec(top)
-    where = Path(found.submodule_search_locations[0] if found.submodule_search_locations else found.origin)
-    return spec["reference"], [] if {"site-packages", "dist-packages"} & set(where.parts) else [str(where)]
 
 
 def model_signature(example_file: str | None, outputs: list[dict] | None) -> tuple:
@@ -124,31 +98,21 @@ def register_model(run: TrackedRun, result: dict, registered_name: str, code_roo
     Idempotent per run."""
     if _warming is not None:  # its work is this function's first steps: not done twice (unless it takes a minute)
         _warming.join(60)
-    from mlflow.entities import LoggedModelOutput, LoggedModelStatus
+    from mlflow.entities import LoggedModelOutput
     from mlflow.exceptions import MlflowException
-    from mlflow.models import Model
-
-    from .requirements import model_requirements
 
     existing = run.client.search_model_versions(f"name='{registered_name}' and run_id='{run.run_id}'")
     if existing:  # a retried task must not create a second version
         return existing[0].version
     example, signature = model_signature(result.get("input_example"), result.get("output_spec"))
+    say_what_predict_returns(result.get("output_spec"))
     # pyfunc.log_model's steps without its check that predicts the example, which would import torch into the flow
-    model = run.client.create_logged_model(run.experiment_id, name="model", source_run_id=run.run_id)
-    with failed_unless_ready(run.client, model.model_id), tempfile.TemporaryDirectory() as tmp, \
-            (quiet_logger("mlflow.pyfunc") if signature is None else nullcontext()):  # no "Failed to infer" warning
-        reference, code_paths = model_code(result["model_spec"], code_root, Path(tmp))
-        reqs = model_requirements(reference, code_paths, code_root)
-        mlflow.pyfunc.save_model(
-            Path(tmp) / "model", python_model=str(Path(__file__).with_name("registered_model.py")),
-            artifacts={"weights": result["weights"]}, code_paths=code_paths or None,
-            model_config={"reference": reference, "kwargs": result["model_spec"]["kwargs"]},
-            signature=signature, input_example=example, pip_requirements=reqs,
-            mlflow_model=Model(artifact_path=model.artifact_location, run_id=run.run_id, model_id=model.model_id,
-                               model_uuid=model.model_id))
-        run.client.log_model_artifacts(model.model_id, str(Path(tmp) / "model"))
-        run.client.finalize_logged_model(model.model_id, LoggedModelStatus.READY)
+    with tempfile.TemporaryDirectory() as tmp:
+        reference, code_paths = model_code(result["model_spec"], code_root, Path(tmp))  # refused before it is logged
+        model = run.client.create_logged_model(run.experiment_id, name="model", source_run_id=run.run_id)
+        with failed_unless_ready(run.client, model.model_id), \
+                (quiet_logger("mlflow.pyfunc") if signature is None else nullcontext()):  # no "Failed to infer" warning
+            _save(run, model, result, reference, code_paths, code_root, signature, example, Path(tmp))
     run.client.log_outputs(run.run_id, [LoggedModelOutput(model.model_id, step=0)])
     try:
         run.client.create_registered_model(registered_name)
@@ -158,6 +122,50 @@ def register_model(run: TrackedRun, result: dict, registered_name: str, code_roo
     mv = run.client.create_model_version(registered_name, model.model_uri, run.run_id, model_id=model.model_id,
                                          description=description, tags={OUTCOME_TAG: NOT_COMPARED})
     return str(mv.version)
+
+
+def _save(run: TrackedRun, model, result: dict, reference: str, code_paths: list[str], code_root: str | None,
+          signature, example, tmp: Path) -> None:
+    """Save the pyfunc model in `tmp`, log it as the logged model `model`'s artifacts and mark it READY."""
+    from mlflow.entities import LoggedModelStatus
+    from mlflow.models import Model
+
+    from .requirements import model_requirements
+
+    mlflow.pyfunc.save_model(
+        tmp / "model", python_model=str(Path(__file__).with_name("registered_model.py")),
+        artifacts={"weights": result["weights"]}, code_paths=code_paths or None,
+        model_config={"reference": reference, "kwargs": result["model_spec"]["kwargs"]},
+        signature=signature, input_example=example, pip_requirements=model_requirements(reference, code_paths,
+                                                                                        code_root),
+        mlflow_model=Model(artifact_path=model.artifact_location, run_id=run.run_id, model_id=model.model_id,
+                           model_uuid=model.model_id))
+    run.client.log_model_artifacts(model.model_id, str(tmp / "model"))
+    run.client.finalize_logged_model(model.model_id, LoggedModelStatus.READY)
+
+
+def say_what_predict_returns(outputs: list[dict] | None) -> None:
+    """One line in the run's log when the model returns a tuple or list: its registered model's predict returns
+    the element the worker described (registered_model.py's rule), not the whole sequence."""
+    picked = next((o for o in outputs or [] if "element" in o), None)
+    if picked is not None:
+        _run_log().info("the model returns a %s: its registered model's predict returns its first tensor alone "
+                        "(element %d, shape (N, %s): logits first, as nanoGPT and Hugging Face order them); return "
+                        "a dict from forward to predict several named outputs", picked["container"],
+                        picked["element"], ", ".join(map(str, picked["shape"])))
+
+
+def _run_log():
+    """The flow or task run's logger, whose lines reach the Prefect UI too; else this module's."""
+    import logging
+
+    from prefect.exceptions import MissingContextError
+    from prefect.logging import get_run_logger
+
+    try:
+        return get_run_logger()
+    except MissingContextError:
+        return logging.getLogger(__name__)
 
 
 @task(name="log-results", cache_policy=NO_CACHE)
