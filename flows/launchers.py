@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from contextlib import contextmanager, nullcontext
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from mlflow.utils.validation import MAX_ENTITY_KEY_LENGTH, MAX_PARAM_VAL_LENGTH
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
@@ -153,12 +155,13 @@ class Script:
     def launch(self, s: Session, run: tracked.TrackedRun, folder: RunFolder, how: Launch) -> Outcome:
         p = self.params
         if how.log_params:
-            run.log_params(p.run_params(s.plan))
+            run.log_params(p.run_params(s.plan) | argument_params(p.script_args))
         launched = time.time()  # collected files older than this were not written by the script
         rank0 = False
         try:
             with watching(run, how.metric, how.on_metrics), run.relaying_metrics():
-                launch_script(p, s.plan, run, s.cards, how.rdzv, how.stop, how.cwd)
+                if launch_script(p, s.plan, run, s.cards, how.rdzv, how.stop, how.cwd):
+                    return Outcome(stopped=True)
             rank0 = how.rdzv is None or folder.process_group.is_file()  # rank 0 leaves it when the script ends
         except TrainingFailed:
             if how.rdzv is None:  # the failed script's files and logs are kept in the run too
@@ -168,7 +171,7 @@ class Script:
                     get_run_logger().warning("the failed script's files were not all kept in the run: %s",
                                              one_line(e))
             raise
-        except Stopped:
+        except Stopped:  # stopped while its files were collected
             return Outcome(stopped=True)
         finally:
             if how.node and not rank0:
@@ -204,7 +207,7 @@ def watching(run: tracked.TrackedRun, metric: str | None, report, interval: floa
         seen, warned, failing = 0, False, False
         while not done.wait(interval):
             try:
-                history = sorted(run.client.get_metric_history(run.run_id, metric), key=lambda m: (m.step, m.timestamp))
+                history = by_step(run.client.get_metric_history(run.run_id, metric))
             except Exception as e:  # noqa: BLE001 - a store that fails a read: the next second's read may succeed
                 if not failing:
                     log.warning("reading %s's %s from the tracking store failed (%s); trying again each second",
@@ -212,8 +215,8 @@ def watching(run: tracked.TrackedRun, metric: str | None, report, interval: floa
                 failing = True
                 continue
             failing = False
-            for k, m in enumerate(history[seen:], start=seen):
-                report(k, {metric: m.value})
+            for k, value in enumerate(history[seen:], start=seen):
+                report(k, {metric: value})
             seen = len(history)
             if not (seen or warned) and (others := own_metrics((r := run.client.get_run(run.run_id)).data.metrics)):
                 warned = True  # its first metrics, without the one optimized: most likely a misnamed metric
@@ -228,6 +231,48 @@ def watching(run: tracked.TrackedRun, metric: str | None, report, interval: floa
     finally:
         done.set()
         watcher.join()
+
+
+def by_step(history: list) -> list[float]:
+    """A metric's values in step order, one per step: a step logged again (a restarted script ran it twice)
+    counts once, with its newest value."""
+    values = {m.step: m.value for m in sorted(history, key=lambda m: (m.step, m.timestamp))}
+    return list(values.values())
+
+
+def argument_params(args: list[str]) -> dict[str, str]:
+    """A script's arguments as run params, one each, to sort and compare runs by: `--name value` and `--name=value`
+    as args.<name>, a flag alone as args.<name> = true, the others as args.<position> (args.0, ...); an option given
+    again keeps its last value, as argparse does. Names keep MLflow's characters and length; values its length."""
+    found: dict[str, str] = {}
+    positional, i = 0, 0
+    while i < len(args):
+        arg = args[i]
+        if arg.startswith("-") and len(arg) > 1 and not _number(arg):
+            name, has, value = arg.lstrip("-").partition("=")
+            if not has:
+                takes = i + 1 < len(args) and (not args[i + 1].startswith("-") or _number(args[i + 1]))
+                value, i = (args[i + 1], i + 1) if takes else ("true", i)
+            found[_param_name(name or arg)] = value
+        else:
+            found[f"args.{positional}"], positional = arg, positional + 1
+        i += 1
+    return {k: v[:MAX_PARAM_VAL_LENGTH] for k, v in found.items()}
+
+
+def _number(arg: str) -> bool:
+    try:
+        float(arg)
+        return True
+    except ValueError:
+        return False
+
+
+def _param_name(option: str) -> str:
+    return ("args." + NOT_IN_A_NAME.sub("_", option).strip(".")).removesuffix(".")[:MAX_ENTITY_KEY_LENGTH]
+
+
+NOT_IN_A_NAME = re.compile(r"[^\w.\- ]")  # MLflow's param names: letters, digits, _ . - space (and /, :, kept out)
 
 
 def own_metrics(metrics: dict) -> list[str]:
@@ -254,12 +299,22 @@ def collect_outputs(run: tracked.TrackedRun, patterns: list[str], launched: floa
     return gather(run, patterns, cwd, launched)
 
 
+def unregistrable(outputs: dict) -> str | None:
+    """Why a script's run registers no model (what it lacks, and the fix), else None."""
+    if not outputs.get("model_spec"):
+        return ("declared no model: call gpuflow.training.helper.declare_model(\"module:Class\", **kwargs) in the "
+                "script to register its checkpoint")
+    if not outputs.get("weights"):
+        return ("logged no state dict (the run's gpuflow.checkpoint tag says what it found): save "
+                "model.state_dict() to a *.pt file in GPUFLOW_OUTPUT_DIR or one --collect names")
+    return None
+
+
 @task(name="register-model", cache_policy=NO_CACHE)
 def register(run: tracked.TrackedRun, outputs: dict, registered: str, script: str, how: str | None) -> str | None:
     spec = outputs.get("model_spec")
-    if not spec or not outputs.get("weights"):
-        get_run_logger().info("no model registered: %s", "the script declared no model (gpuflow.training.helper."
-                              "declare_model)" if not spec else "no state dict was found")
+    if why := unregistrable(outputs):
+        get_run_logger().info("no model registered: the script %s", why)
         return None
     description = f"{spec['reference']} trained by {Path(script).name} {how or f'(run {run.run_id})'}"
     if not outputs.get("input_example"):

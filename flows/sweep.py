@@ -25,13 +25,13 @@ from .allow import current_policy
 from .calls import one_line
 from .champion import compare_with_champion, offer_unevaluated
 from .job import parent_run
-from .launchers import Script
+from .launchers import Script, unregistrable
 from .checked import checked_flow
 from .params import SweepParams
 from .space import Distribution, SweepError, read_space
 from .study import (HEARTBEAT_S, Kept, best_so_far, counted, open_study, storage_url,
                     plots_beside, study_name, summarize, sweep_run)
-from .trial import Slot, Slots, Trial, run_trial
+from .trial import Slot, Slots, Trial, TrialFolder, run_trial, stores
 
 CONSECUTIVE_FAILURES = 3  # trials failing in a row stop the sweep: the next would fail the same way
 
@@ -67,6 +67,10 @@ def sweep(params: SweepParams) -> dict:
     log.info("sweep %s: %d of %d trials done; %d at a time on %s; optimizing %s (%s); study in %s", name,
              counted(study), params.trials, slots.parallel, "GPUs" if slots.gpu else "CPU slots", metric, direction,
              shown(url))
+    folder = None
+    if params.script:  # read once: the trials' writes stay in their own folders
+        folder = TrialFolder.of(Path.cwd(), params.collect, stores(params, url))
+        log.info("sweep %s: %s", name, folder.describe())
     resume = study.user_attrs.get("mlflow_run_id")
     client = store.prepare_store(params.tracking_uri)
     if resume and not sweep_run(client, resume, name):
@@ -82,19 +86,31 @@ def sweep(params: SweepParams) -> dict:
                                "sweep.direction": direction, "sweep.space": sorted(space)})
         results.warm_model_logging()  # the best trial is registered at the end: MLflow's one-time costs meanwhile
         with device_slot():  # one served run on this host's devices (its trials do not queue on it again)
-            finished = run_trials(kept, space, params, slots, parent.run_id, metric)
+            finished = run_trials(kept, space, params, slots, parent.run_id, metric, folder)
         summary = summarize(study, parent, metric)
         if summary.get("best_run_id"):
             summary |= register_best(params, client, summary, name, metric, finished.get(summary["best_run_id"]),
                                      plots_beside(study, parent))
             for k in ("model_version", "promoted"):
                 parent.client.set_tag(parent.run_id, f"sweep.{k}", str(summary.get(k)))
+        why = summary.pop("unregistered", None)
+        if summary.get("model_version") is None:
+            raise SweepError(f"sweep {name}: nothing registered: {unregistered(summary, why)}")
     log.info("sweep %s: %s", name, summary)
     return {"run_id": parent.run_id, "study": name, **summary}
 
 
+def unregistered(summary: dict, why: str | None) -> str:
+    """Why a sweep registered no model (`why`: its best trial's reason), and what to do."""
+    if not summary.get("best_run_id"):
+        return (f"no trial completed ({', '.join(f'{n} {k}' for k, n in summary['trials'].items()) or 'none ran'}); "
+                "the failed trials' runs say why")
+    return (f"best trial {summary['best_trial']} ({summary['best_value']:.6g}, run {summary['best_run_id']}) "
+            f"{why or 'left no model'}")
+
+
 def run_trials(kept: Kept, space: dict[str, Distribution], params: SweepParams, slots: Slots, parent_id: str,
-               metric: str) -> dict[str, dict]:
+               metric: str, folder: TrialFolder | None = None) -> dict[str, dict]:
     """Ask, run and tell until the budget is met, at most `slots.parallel` at a time, each on a slot of its own;
     stopped from outside, the trials' ranks are stopped and their trials marked cut off; {run id: result}."""
     log, study, name = get_run_logger(), kept.study, kept.study.study_name
@@ -113,7 +129,7 @@ def run_trials(kept: Kept, space: dict[str, Distribution], params: SweepParams, 
                     warned = False
                     t = start_trial(kept, space, slot)
                     log.info("trial %d on %s: %s", t.trial.number, slot.label, t.values)
-                    running[pool.submit(copy_context().run, run_trial, t, params, parent_id, metric, name)] = t
+                    running[pool.submit(copy_context().run, run_trial, t, params, parent_id, metric, name, folder)] = t
                     continue
                 if not running:  # no trial to wait on: look for a slot again in a second
                     if not warned:
@@ -132,7 +148,7 @@ def run_trials(kept: Kept, space: dict[str, Distribution], params: SweepParams, 
                 if t.result is not None:
                     outcomes[t.run_id] = t.result
                 slots.give_back(t.slot)
-                failures = failures + 1 if tell(study, t, fut, log) else 0
+                failures = failures + 1 if tell(study, t, fut, log, metric) else 0
                 if failures >= CONSECUTIVE_FAILURES:
                     raise SweepError(f"sweep {name}: {failures} trials failed in a row, the last: "
                                      f"{one_line(fut.exception())}") from fut.exception()
@@ -162,7 +178,7 @@ def start_trial(kept: Kept, space: dict[str, Distribution], slot: Slot) -> Trial
     return Trial(trial, slot, {n: d.suggest(trial, n) for n, d in space.items()}, pruning=kept.pruning)
 
 
-def tell(study, t: Trial, fut: Future, log) -> bool:
+def tell(study, t: Trial, fut: Future, log, metric: str) -> bool:
     """Record the trial's end in the study (its score, pruned, or failed with the first line why); True if failed."""
     from optuna.trial import TrialState
 
@@ -170,7 +186,8 @@ def tell(study, t: Trial, fut: Future, log) -> bool:
     t.store()
     if error is None and t.pruned_at is not None:
         study.tell(t.trial, state=TrialState.PRUNED)
-        log.info("trial %d: pruned after epoch %d", t.trial.number, t.pruned_at)
+        log.info("trial %d: pruned after epoch %d (%s %.6g)", t.trial.number, t.pruned_at, metric,
+                 t.reported[t.pruned_at])
         return False
     if error is None:
         t.pruning.completed_here(study.tell(t.trial, fut.result()))
@@ -197,7 +214,7 @@ def register_best(params: SweepParams, client, summary: dict, name: str, metric:
     if params.script:  # registered as train-script registers it; gpuflow cannot evaluate it
         with beside:
             version = Script(params).register(run, result, params.registered_model, f"(run {run_id}): {how}")
-        return {"model_version": version,
+        return {"model_version": version, "unregistered": unregistrable(result) if version is None else None,
                 "promoted": version is not None and offer_unevaluated(client, params.registered_model, version)}
     version = results.register_model(run, result, params.registered_model, str(Path.cwd()),
                                      f"{params.model} on {params.dataset}: {how}")

@@ -1,10 +1,10 @@
-"""One trial of a sweep: its slot (cards, or CPU processes, no other gpuflow run holds) and the trial itself, one
+"""One trial of a sweep: its slot (cards, or CPU processes, no other gpuflow run holds), a script's working folder (the
+project's inputs linked in, nothing a run writes) and the trial itself, one
 job of flows/job.py on that slot, its per-epoch metric reported to Optuna's pruner as it arrives.
 """
 
 from __future__ import annotations
 
-import fnmatch
 import os
 import socket
 import threading
@@ -19,6 +19,7 @@ from gpuflow.tasks.devices.probe import EnvironmentReport, probe_environment, us
 from gpuflow.tasks.child import Stopped
 from gpuflow.tasks.tracking import tracked
 from gpuflow.training.contract import CHECKPOINT_SUFFIXES, RunFolder
+from gpuflow.training.uris import sqlite_file
 
 from .calls import admit, validated
 from .job import Placement, run_job
@@ -53,6 +54,8 @@ class Slots:
         self.probe = probe
         visible = report.visible_physical_ids()
         self.gpu = bool(visible) and params.gpus != "cpu"
+        if not self.gpu:
+            refuse_gpus_on_the_cpu(params, "gpus=cpu" if params.gpus == "cpu" else "this host has no usable GPU")
         self.per_trial = params.gpus_per_trial if self.gpu else (params.cpu_processes or 1)
         if self.gpu:
             named = explicit_ids(params.gpus)
@@ -119,6 +122,15 @@ class Slots:
             self.busy.difference_update(slot.cards)
 
 
+def refuse_gpus_on_the_cpu(params: SweepParams, why: str) -> None:
+    """Trials on the CPU that were asked for several GPUs each, with no word of their processes: refused, as `gpuflow
+    run --gpus 2` is on such a host (most likely CUDA is not visible here: hours on the CPU would tell no one)."""
+    if params.gpus_per_trial > 1 and not params.cpu_processes:
+        raise SweepError(f"gpus_per_trial={params.gpus_per_trial} asks for GPUs but the trials run on the CPU ({why}); "
+                         f"for {params.gpus_per_trial} gloo processes per trial use cpu_processes="
+                         f"{params.gpus_per_trial} (--cpu-processes), or run where the GPUs are visible")
+
+
 @dataclass
 class Trial:
     """A trial on its way: the Optuna trial, its slot, the values and how it is stopped."""
@@ -167,17 +179,19 @@ def reporter(t: Trial, params: SweepParams, metric: str):
     return report
 
 
-def run_trial(t: Trial, params: SweepParams, parent_id: str, metric: str, study_name: str) -> float | None:
+def run_trial(t: Trial, params: SweepParams, parent_id: str, metric: str, study_name: str,
+              folder: TrialFolder | None = None) -> float | None:
     """One trial as one job on its slot, nested under the sweep's run, its metric reported to the pruner as it
-    arrives; the metric's final value, or None when pruned (run FINISHED, tagged sweep.pruned)."""
+    arrives (a script's in its own working folder, as `folder` plans it); the metric's final value, or None when
+    pruned (run FINISHED, tagged sweep.pruned)."""
     name = f"{study_name}-t{t.trial.number}"
     slot = {"gpus": t.slot.gpus, "cpu_processes": t.slot.processes, "cpu_cores": t.slot.cores, "run_name": name}
     model, values = ((ScriptParams, params.script_params(t.values)) if params.script
                      else (PipelineParams, with_values(params.pipeline(), t.values)))
     trial_params = admit(validated(model, values | slot))  # the space's values pass the door as the sweep's did
     if params.script:
-        launcher = Script(trial_params)
-        cwd = lambda run: own_folder(Path.cwd(), RunFolder(run.workdir).work, launcher.params.collect)  # noqa: E731
+        launcher, plan = Script(trial_params), folder or TrialFolder.of(Path.cwd(), params.collect, stores(params))
+        cwd = lambda run: plan.make(RunFolder(run.workdir).work)  # noqa: E731
     else:
         launcher, cwd = Worker(trial_params), None
 
@@ -213,14 +227,106 @@ def run_trial(t: Trial, params: SweepParams, parent_id: str, metric: str, study_
     return float(final[metric])
 
 
-def own_folder(project: Path, work: Path, collect: list[str]) -> Path:
-    """A script trial's working folder: the project's entries linked in, except checkpoints, what `collect` names
-    and the folder holding `work`, so what a script saves at a fixed relative path is the trial's alone."""
-    work.mkdir(parents=True, exist_ok=True)
-    own = {Path(p).parts[0] for p in collect if Path(p).parts}
-    for entry in project.iterdir():
-        if (entry.suffix in CHECKPOINT_SUFFIXES or any(fnmatch.fnmatch(entry.name, p) for p in own)
-                or entry == work or entry in work.parents or os.path.lexists(work / entry.name)):
-            continue
-        (work / entry.name).symlink_to(entry)
-    return work
+def stores(params: SweepParams, study_url: str | None = None) -> list[Path]:
+    """What the sweep itself writes, never a trial's to share: its runs folder, the tracking store's file (or
+    folder) and the study's file."""
+    found = [Path(params.runs_dir)]
+    for uri in (params.tracking_uri, study_url):
+        if uri and (db := sqlite_file(uri)):
+            found.append(db)
+        elif uri and "://" not in uri.removeprefix("file://"):  # MLflow's file store: a folder (mlruns)
+            found.append(Path(uri.removeprefix("file://")))
+    return found
+
+
+@dataclass
+class TrialFolder:
+    """What a script trial sees of the project: the project's inputs linked in, and nothing a run writes.
+
+    An input is whatever an earlier run did not write: source, configs, data. A run's outputs are known by kind
+    (a checkpoint, a log, a database: OUTPUT_ENDINGS), by the sweep's own stores and runs folder, and by what
+    `collect` names. A folder holding none of them is linked whole (a data set is one link, however many files);
+    a folder holding one is made afresh in the trial's folder and its entries judged the same way, so an output
+    folder of an earlier run (nanoGPT's out-*/ckpt.pt) is the trial's own, empty, and never the project's. A link
+    is an input; the script may still write through one, but only into a folder no run has written outputs to."""
+
+    project: Path
+    links: list[Path]  # relative to `project`: linked in each trial's folder
+    made: list[Path]  # folders holding outputs, made afresh (parents first)
+    left_out: list[Path]  # outputs: never in a trial's folder
+
+    @classmethod
+    def of(cls, project: Path, collect: list[str], stores: list[Path]) -> "TrialFolder":
+        """The plan for `project`, read once: the trials' own writes never reach the project."""
+        outputs = {p.resolve() for p in stores} | {p.resolve() for pattern in collect for p in project.glob(pattern)}
+        holding = _holding_outputs(project, outputs)
+        links, made, left_out = [], [], []
+        todo = [project]
+        while todo:
+            folder = todo.pop(0)
+            for entry in sorted(folder.iterdir()):
+                rel, real = entry.relative_to(project), entry.resolve()
+                if real in outputs or (entry.name.endswith(OUTPUT_ENDINGS) and not real.is_dir()):
+                    left_out.append(rel)
+                elif real in holding:
+                    made.append(rel)
+                    todo.append(entry)
+                else:
+                    links.append(rel)
+        return cls(project, links, made, left_out)
+
+    def make(self, work: Path) -> Path:
+        """The trial's working folder `work`, made as planned."""
+        work.mkdir(parents=True, exist_ok=True)
+        for rel in self.made:
+            (work / rel).mkdir(exist_ok=True)
+        for rel in self.links:
+            if not os.path.lexists(work / rel):
+                (work / rel).symlink_to(self.project / rel)
+        return work
+
+    def describe(self, most: int = 12) -> str:
+        """One line for the sweep's log: what the trials' folders link, make afresh and leave out."""
+        def names(paths: list[Path]) -> str:
+            shown = [f"{p}/" if (self.project / p).is_dir() else str(p) for p in paths[:most]]
+            return ", ".join(shown) + (f" and {len(paths) - most} more" if len(paths) > most else "") or "none"
+
+        return (f"each trial runs in its run folder's work/: linked from {self.project}: {names(self.links)}; made "
+                f"afresh (an earlier run's outputs in them): {names(self.made)}; left out (what a run writes): "
+                f"{names(self.left_out)}")
+
+
+# what runs write: checkpoints, logs, databases (mlflow.db, optuna.db and their journals)
+OUTPUT_ENDINGS = (*CHECKPOINT_SUFFIXES, ".log", ".db", ".sqlite", ".sqlite3", "-wal", "-shm", "-journal")
+
+
+def _holding_outputs(project: Path, outputs: set[Path]) -> set[Path]:
+    """The real paths of the folders under `project` holding an output (a linked folder's content included, each
+    folder read once); an output folder (the runs folder) is never read through."""
+    holding: set[Path] = set()
+    seen: set[Path] = set()
+
+    def mark(path: Path) -> None:  # `path` is under `project` as named: its folders up to the project hold it
+        for folder in path.parents:
+            holding.add(folder.resolve())
+            if folder == project:
+                return
+
+    def scan(top: Path) -> bool:
+        if (real := top.resolve()) in seen:
+            return real in holding
+        seen.add(real)
+        for folder, dirs, files in os.walk(top):
+            here, inside = Path(folder), []
+            for d in dirs:
+                if (here / d).resolve() in outputs or (here / d).is_symlink() and scan(here / d):
+                    mark(here / d)
+                elif not (here / d).is_symlink():
+                    inside.append(d)
+            dirs[:] = inside
+            if any(f.endswith(OUTPUT_ENDINGS) or (here / f).resolve() in outputs for f in files):
+                mark(here / files[0])
+        return real in holding
+
+    scan(project)
+    return holding

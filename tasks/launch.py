@@ -165,10 +165,10 @@ def launch_training(config: Path, plan: DevicePlan, opts: PipelineParams, workdi
 
 @task(name="launch-script", retries=0, cache_policy=NO_CACHE)
 def launch_script(opts: ScriptParams, plan: DevicePlan, run, hold_fds: tuple[int, ...] = (),
-                  rdzv: Rendezvous | None = None, stop: threading.Event | None = None, cwd: Path | None = None) -> None:
+                  rdzv: Rendezvous | None = None, stop: threading.Event | None = None, cwd: Path | None = None) -> bool:
     """Run the user's script (`opts.script`) under torchrun, always (one process per device), from `cwd` (default:
     the folder gpuflow runs in), in the MLflow run `run`; stream its output to the flow's log and
-    logs/script.log."""
+    logs/script.log. True when `stop` stopped it (a pruned trial: an outcome, not a failed task)."""
     from prefect import get_run_logger
 
     from gpuflow.training.uris import absolute_uri
@@ -189,10 +189,15 @@ def launch_script(opts: ScriptParams, plan: DevicePlan, run, hold_fds: tuple[int
            OUTPUT_DIR_ENV: str(folder.outputs), DIST_TIMEOUT_ENV: str(opts.dist_timeout_s),
            PROCESS_GROUP_FILE_ENV: str(folder.process_group), **(rdzv.environ() if rdzv else {})}
     folder.process_group.unlink(missing_ok=True)  # rank 0 writes it afresh when the script ends well
-    code, tail = run_child(cmd, env, cwd or Path.cwd(), log, hold_fds, log_file=folder.logs / "script.log", stop=stop)
+    try:
+        code, tail = run_child(cmd, env, cwd or Path.cwd(), log, hold_fds, log_file=folder.logs / "script.log",
+                               stop=stop)
+    except Stopped:
+        return True
     # this machine's ranks (a placed run's other nodes judge theirs: the job stands only if every node does)
     if code != 0 and ran_to_the_end(folder.errors, plan.nproc_per_node):
         log.warning(f"{Path(opts.script).name}: every rank ran the script to its end, then a process failed as it "
                     f"exited (torchrun's exit code {code}; gloo's exit abort, pytorch#190489): the run stands")
     elif code != 0:
         raise failure(Path(opts.script).name, code, folder.root, tail, "script.log")
+    return False

@@ -9,6 +9,7 @@ import itertools
 import json
 import logging
 import os
+import shutil
 from datetime import datetime
 from pathlib import Path
 
@@ -156,10 +157,13 @@ def checkpoint_from(run: TrackedRun, source: Path, spec: dict | None, cwd: Path)
     client, run_id = run.client, run.run_id
     try:
         state, where = extract_state_dict(source)
-    except CheckpointError as e:
-        client.log_artifact(run_id, str(source), "checkpoints")
+    except CheckpointError as e:  # kept as it is (a whole pickled model, say): still the run's checkpoint
+        kept = RunFolder(run.workdir).script_checkpoint / source.name
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, kept)  # the run's own copy: the script's next run may overwrite its file
+        client.log_artifact(run_id, str(kept), "checkpoints")
         client.set_tag(run_id, "gpuflow.checkpoint", f"{source.name} logged unchanged, not de-prefixed: {e}"[:4000])
-        return {"checkpoint": None}
+        return {"checkpoint": str(kept)}
     folder = RunFolder(run.workdir)
     payload = {"model": state, "source": str(source), "found_at": where}
     if spec:  # what `gpuflow infer` rebuilds (training/evaluate.py), as for the registered model

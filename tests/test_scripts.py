@@ -295,6 +295,56 @@ def test_sigterm_to_the_flow_ends_the_run_killed_and_stops_every_rank(tmp_path, 
     assert run.info.status == "KILLED" and "SIGTERM" in run.data.tags["error"]
 
 
+# word_language_model's way: arguments of every kind, the whole module saved; from scratch on a restart (its first
+# attempt dies after reporting epoch 2), so epochs 1 and 2 are reported twice
+RESTARTED = """
+    import argparse, os, torch
+    from gpuflow.training import helper
+    from mynet import SimpleNN, data
+
+    p = argparse.ArgumentParser()
+    p.add_argument("data")
+    p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--save", default="model.pt")
+    p.add_argument("--tied", action="store_true")
+    a = p.parse_args()
+    torch.manual_seed(0)
+    model = SimpleNN()
+    opt = torch.optim.SGD(model.parameters(), lr=a.lr)
+    x, y = data().tensors
+    for epoch in range(1, 4):
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        helper.report({"loss": loss.item()}, step=epoch)
+        if epoch == 2 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+            os._exit(3)
+    with open(a.save, "wb") as f:
+        torch.save(model, f)
+"""
+
+
+def test_a_restarted_script_logs_each_step_once_its_arguments_one_param_each_and_names_its_whole_model_checkpoint(
+        tmp_path, api_url):
+    folder = project(tmp_path / "proj", train=RESTARTED)
+    done = gpuflow(["run", "--script", "train.py", "--strategy", "single", "--tracking-uri",
+                    f"sqlite:///{folder / 'mlflow.db'}", "--", "data", "--lr", "0.05", "--tied"], folder, api_url)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout[done.stdout.index("{"):])
+    c = client(folder)
+    run = c.get_run(out["run_id"])
+    assert [m.step for m in c.get_metric_history(out["run_id"], "loss")] == [1, 2, 3]  # 1 and 2 reported twice
+    assert "reported again, not logged twice" in done.stderr and "loss at step 1, 2" in done.stderr
+    params = run.data.params
+    assert (params["args.0"], params["args.lr"], params["args.tied"]) == ("data", "0.05", "true")
+    assert params["gpuflow.script_args"] == '["data", "--lr", "0.05", "--tied"]'
+    assert out["checkpoint"] and Path(out["checkpoint"]).name == "model.pt"  # the logged one, kept with the run
+    assert Path(out["checkpoint"]).read_bytes() == (folder / "model.pt").read_bytes()
+    assert {a.path for a in c.list_artifacts(out["run_id"], "checkpoints")} == {"checkpoints/model.pt"}
+    assert run.data.tags["gpuflow.checkpoint"].startswith("model.pt logged unchanged, not de-prefixed")
+
+
 # --- the pieces, without a flow -----------------------------------------------------------
 
 

@@ -19,6 +19,7 @@ import pytest
 from optuna.trial import TrialState
 
 from gpuflow.flows.cli import main
+from gpuflow.flows.space import SweepError
 from gpuflow.tasks.devices.cards import CardLocks
 
 from .helpers import BIN, child_env
@@ -358,9 +359,10 @@ def test_each_scripts_trial_runs_in_a_folder_of_its_own_and_never_resumes_anothe
     torch.save({"epoch": 2, "lr": 9.0}, tmp_path / "snapshot.pt")  # an earlier run's, in the project folder
     space = _space(tmp_path, "lr: {type: choice, values: [0.1, 0.2]}\n")
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    sweep(script=str(tmp_path / "train.py"), script_args=["--lr", "{lr}"], space=space, trials=2, parallel="1",
-          pruner="none", optimize="score", gpus="cpu", cpu_processes=1, study="own", tracking_uri=uri,
-          runs_dir=str(tmp_path / "runs"), registered_model="own", collect=["snapshot.pt"])
+    with pytest.raises(SweepError, match="nothing registered: best trial .* declared no model"):  # a snapshot alone
+        sweep(script=str(tmp_path / "train.py"), script_args=["--lr", "{lr}"], space=space, trials=2, parallel="1",
+              pruner="none", optimize="score", gpus="cpu", cpu_processes=1, study="own", tracking_uri=uri,
+              runs_dir=str(tmp_path / "runs"), registered_model="own", collect=["snapshot.pt"])
     (parent,), trials = _runs(uri)
     assert len(trials) == 2 and all(r.info.status == "FINISHED" for r in trials)
     for r in trials:

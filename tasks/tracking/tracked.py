@@ -70,7 +70,9 @@ def lost_api_message(exc: BaseException) -> str:
 class MetricsRelay(threading.Thread):
     """Logs the complete lines rank 0 appends to its metrics file to the run, every `LOG_S` seconds and once
     more when stopped. `on_metrics(step, metrics)` (a sweep's pruner) sees each line as soon as it is read, every
-    `ON_METRICS_S`; the lines are still logged in batches, every `LOG_S`."""
+    `ON_METRICS_S`; the lines are still logged in batches, every `LOG_S`. Each metric is logged once per step: a
+    restarted rank 0 reporting steps again (resumed from an older checkpoint, or from scratch) adds no second point
+    at a step the run has (the first value stays; the console names those dropped)."""
 
     LOG_S = 0.5
     ON_METRICS_S = 0.05  # a pruned trial stops within an epoch however short its epochs
@@ -84,9 +86,11 @@ class MetricsRelay(threading.Thread):
         self.on_metrics = on_metrics
         self.checkpoints, self.uploaded = checkpoints, set()
         self.pending: list[tuple] = []
+        self.steps: dict[str, set[int]] | None = None  # metric: the steps the run has, read when the relay starts
         self._halt = threading.Event()
 
     def run(self) -> None:
+        self.steps = self._logged_steps()
         last, stopping = time.monotonic(), False
         while not stopping:
             stopping = self._halt.wait(self.ON_METRICS_S if self.on_metrics else self.LOG_S)
@@ -95,13 +99,38 @@ class MetricsRelay(threading.Thread):
                 self._log()
                 last = time.monotonic()
 
+    def _logged_steps(self) -> dict[str, set[int]]:
+        """The steps of each metric the run has already (a resumed run's, an earlier round's); system metrics aside."""
+        try:
+            keys = [k for k in self.client.get_run(self.run_id).data.metrics if not k.startswith("system/")]
+            return {k: {m.step for m in self.client.get_metric_history(self.run_id, k)} for k in keys}
+        except Exception as e:  # noqa: BLE001 - the relay still runs; only this run's own repeats are dropped
+            print(f"gpuflow: the run's logged steps were not read ({type(e).__name__}: {e})", flush=True)
+            return {}
+
+    def _new(self, lines: list[tuple]) -> list[Metric]:
+        """The lines' metrics at steps the run does not have yet; the others named once on the console."""
+        fresh, again = [], {}
+        for step, ts, metrics in lines:
+            for k, v in metrics.items():
+                seen = self.steps.setdefault(k, set())
+                if step in seen:
+                    again.setdefault(k, []).append(step)
+                else:
+                    seen.add(step)
+                    fresh.append(Metric(k, v, ts, step))
+        if again:
+            named = "; ".join(f"{k} at step {', '.join(map(str, sorted(set(s))))}" for k, s in again.items())
+            print(f"gpuflow: reported again, not logged twice (a restart ran them again; the first values stay): "
+                  f"{named}"[:2000], flush=True)
+        return fresh
+
     def _log(self) -> None:
         lines, self.pending = self.pending, []
         if not lines:
             return
         try:
-            self.client.log_batch(self.run_id, metrics=[Metric(k, v, ts, step) for step, ts, metrics in lines
-                                                        for k, v in metrics.items()], synchronous=True)
+            self.client.log_batch(self.run_id, metrics=self._new(lines), synchronous=True)
             self.logged += len(lines)
         except Exception as e:  # noqa: BLE001 - the run goes on; the loss is said
             print(f"gpuflow: could not log {len(lines)} metrics line(s) (steps {lines[0][0]}-{lines[-1][0]}): "
