@@ -84,8 +84,12 @@ def quiet_libraries() -> None:
         logging.getLogger("mlflow").setLevel(logging.WARNING)  # MLflow read the variable when imported
 
 
+PREFECTS_END = "Finished in state "  # how Prefect's engines log a run's end, its failure's message in it
+
+
 class UserErrorOnce(logging.Filter):
-    """Drops console records repeating a user error or training failure already said in gpuflow's one line."""
+    """Drops Prefect's records of a user error or training failure that gpuflow says in one line: the failed task's
+    or flow's traceback, and each "Finished in state Failed(...)" repeating it."""
 
     def __init__(self):
         super().__init__()
@@ -96,7 +100,8 @@ class UserErrorOnce(logging.Filter):
         if isinstance(error, (UserError, TrainingFailed)):
             self.messages.append(str(error).splitlines()[0])
             return False
-        return not any(m in record.getMessage() for m in self.messages)
+        said = record.getMessage()
+        return not (said.startswith(PREFECTS_END) and any(m in said for m in self.messages))
 
 
 def report_user_errors_once(loggers: tuple[str, ...] = ("",)) -> None:
@@ -114,13 +119,20 @@ def _report_flow_runs_user_errors_once() -> None:
     report_user_errors_once(("", "prefect.flow_runs", "prefect.task_runs"))
 
 
-def said_once_in_a_deployment_run(e: BaseException) -> None:
-    """In a deployment's run, log why it fails (a user error or a training failure) once, in one line."""
-    from prefect import get_run_logger
+def in_a_deployment_run() -> bool:
     from prefect.context import FlowRunContext
 
     ctx = FlowRunContext.get()
-    if ctx is None or ctx.flow_run is None or ctx.flow_run.deployment_id is None:
+    return ctx is not None and ctx.flow_run is not None and ctx.flow_run.deployment_id is not None
+
+
+def said_once_in_a_deployment_run(e: BaseException) -> None:
+    """In a deployment's run, log why it fails (a user error or a training failure) once, in one line: Prefect's
+    own records of it (the failed task's traceback, each "Finished in state Failed") were dropped from the serve
+    terminal and the run's log since the run began (`entered`)."""
+    from prefect import get_run_logger
+
+    if not in_a_deployment_run():
         return
     _report_flow_runs_user_errors_once()
     get_run_logger().error(one_line(e) if isinstance(e, UserError) else str(e).splitlines()[0])
@@ -179,6 +191,8 @@ def entered(model: type[BaseModel], values: dict) -> BaseModel:
     else:
         params = admit(validated(model, values), values)
     quiet_libraries()
+    if in_a_deployment_run():  # before any task: a task that fails is logged with its traceback as it fails
+        _report_flow_runs_user_errors_once()
     interrupted_in_one_line()
     warn_on_prefects_temporary_api()
     return params

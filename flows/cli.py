@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import gc
 import json
+import logging
 import os
 import signal
 import sys
@@ -41,6 +42,9 @@ from .settings import NodeService, Settings, server_command, ui_command, ui_envi
 from .stack import StackService
 
 quiet_libraries()  # before MLflow is imported, which reads its logging level once
+# Prefect's queues of events and log lines say at exit how many items they still send, after gpuflow's last line
+for _queue in ("EventsWorker", "APILogWorker"):
+    logging.getLogger(_queue).setLevel(logging.ERROR)
 os.environ.setdefault(STARTUP_TIMEOUT_ENV, str(STARTUP_TIMEOUT_DEFAULT_S))  # for every server a command starts
 
 SCRIPT_EPILOG = """\
@@ -114,8 +118,10 @@ def run_service(command: str, settings) -> int:
         return 0
     if command == "server":
         return run_supervised(server_command(settings), env=server_environment())  # leases any server on its home sees
-    from gpuflow.tasks.tracking.store import default_tracking_uri
+    from gpuflow.tasks.tracking.store import default_tracking_uri, training_view_urls
 
+    for url in training_view_urls(default_tracking_uri(), settings.mlflow_ui_url):  # the UI itself opens on GenAI
+        print(f"gpuflow: training runs at {url}", file=sys.stderr)
     return run_supervised(ui_command(settings), env=ui_environment(default_tracking_uri()))
 
 
@@ -187,6 +193,31 @@ def load(command: str, model: type[BaseModel]) -> typing.Callable[[dict], dict]:
     return lambda values: job(**values)
 
 
+def refuse_early(command: str, params: BaseModel) -> None:
+    """What the job's first steps would refuse here, refused before a server starts or a flow run is made: this
+    host's CPUs and memory, the devices a run or an evaluation asks for (assigned as the job assigns them, by
+    tasks/devices/assign.py), and the store and version an evaluation reads. The job checks them again as it runs."""
+    from gpuflow.tasks.devices.assign import assign_devices_for, check_host, one_device_plan
+    from gpuflow.tasks.devices.probe import read_environment
+
+    if command == "sweep":  # its trials take cards as they start
+        check_host(params)
+        return
+    report = read_environment(with_torch=False)  # what assignment reads, without a torch process
+    if command == "run":
+        assign_devices_for(report, params, getattr(params, "batch_size", None), getattr(params, "precision", None))
+        return
+    from gpuflow.tasks.tracking import store
+    from gpuflow.tasks.tracking.registry import resolve_version
+
+    from .params import Devices
+
+    one_device_plan(report, Devices(gpus=params.gpus))
+    if not params.checkpoint:
+        store.require_store(params.tracking_uri)  # reading only: never leave an empty mlflow.db behind
+        resolve_version(store.open_store(params.tracking_uri), params.registered_model, params.version)
+
+
 def imports_done() -> None:
     """Under `gpuflow` (imports with the collector paused: flows/__main__.py), freeze what they built; collect again."""
     if not gc.isenabled():
@@ -206,10 +237,8 @@ def main(argv: list[str] | None = None) -> int:
         checked = validated(model, values)  # bad values refused before anything is imported or read
         with contextlib.redirect_stdout(sys.stderr):  # stdout carries the JSON result alone (user code may print)
             admit(checked, values)  # missing files and code that does not import, before any server starts
-        if command in ("run", "sweep") and getattr(checked, "nodes", 1) <= 1:  # placed: each node checks its own
-            from gpuflow.tasks.devices.assign import check_host
-
-            check_host(checked)
+        if command in ("run", "sweep", "evaluate") and getattr(checked, "nodes", 1) <= 1:  # placed: each node's own
+            refuse_early(command, checked)
         if command in SERVICES:
             imports_done()
             return run_service(command, checked)

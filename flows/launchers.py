@@ -134,7 +134,8 @@ class Worker:
             f"# {p.model} on {p.dataset}\n\n**Devices**: {plan.describe()} ({plan.strategy}, {plan.backend}, "
             f"world size {result['world_size']})  \n**Epochs run**: {result['epochs_run']}  \n"
             f"**MLflow run**: `{run.run_id}` (`gpuflow ui`, then {Settings().mlflow_ui_url}/#/experiments/"
-            f"{run.experiment_id}/runs/{run.run_id})  \n**Registered model**: {p.registered_model} v{version}\n\n"
+            f"{run.experiment_id}/runs/{run.run_id}?workflowType=machine_learning)  \n"  # not MLflow's GenAI mode
+            f"**Registered model**: {p.registered_model} v{version}\n\n"
             f"| metric | value |\n|---|---|\n{rows}\n"))
 
 

@@ -57,9 +57,12 @@ class Cluster:
                              "--auth-host=scram-sha-256", "--no-instructions"]), "initdb")
         self._write_access_rules()
         with open(self.log, "a") as log:
+            # a session of its own: a terminal's Ctrl-C reaches the stack and its servers, and the stack stops
+            # PostgreSQL after them (first, Prefect's services would log a traceback a query until they stopped)
             self.proc = start_supervised(as_postgres(
                 ["postgres", "-D", str(self.dir), "-k", str(self.socket), "-c", "listen_addresses=",
-                 "-c", "unix_socket_permissions=0700"]), stdout=log, stderr=subprocess.STDOUT, pass_fds=(lock,))
+                 "-c", "unix_socket_permissions=0700"]), stdout=log, stderr=subprocess.STDOUT, pass_fds=(lock,),
+                start_new_session=True)
         self._wait_ready()
         self._set_up_role()
 

@@ -4,10 +4,13 @@ the node flows on a machine's queue. Runs on one host share a global concurrency
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import socket
+import stat
 import sys
+import threading
 from contextlib import suppress
 from pathlib import Path
 
@@ -77,28 +80,100 @@ def ensure_device_limit() -> str:
 
 
 def interrupt_on_ctrl_c() -> None:
-    """Ctrl-C raises KeyboardInterrupt wherever the serving loop is, and serve() shuts down."""
+    """Ctrl-C raises KeyboardInterrupt wherever the serving loop is, and serve() shuts down, its output piped to a
+    reader the same Ctrl-C stopped (`gpuflow serve | tee log`) included."""
 
     # asyncio.run swaps Python's default handler for one that only cancels its main task (serve did not return)
     def handler(signum, frame):
+        output_that_cannot_break()
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGINT, handler)
+
+
+def _relay(source: int, target: int) -> None:
+    """Copy `source` to `target` until its end; once `target` refuses (its reader gone), drop the rest."""
+    with open(source, "rb", buffering=0) as relayed:
+        while chunk := relayed.read(65536):
+            view = memoryview(chunk)
+            while target >= 0 and view:
+                try:
+                    view = view[os.write(target, view):]
+                except OSError:  # EPIPE: nobody reads it any more
+                    target = -1
+
+
+def output_that_cannot_break() -> None:
+    """stdout and stderr, where they are pipes, written through a thread (`_relay`) from now on: rich, which prints
+    Prefect's log lines, turns a write to a pipe whose reader is gone into SystemExit(1), which ends serve halfway
+    through its shutdown or, raised in one of its tasks, leaves it serving; no library relays a pipe."""
+    if getattr(output_that_cannot_break, "done", False):
+        return
+    output_that_cannot_break.done = True  # type: ignore[attr-defined]
+    pipes: dict[tuple[int, int], list[int]] = {}
+    for fd in (1, 2):
+        with suppress(OSError):
+            st = os.fstat(fd)
+            if stat.S_ISFIFO(st.st_mode):
+                pipes.setdefault((st.st_dev, st.st_ino), []).append(fd)  # `2>&1`: one pipe, one relay
+    relays = []
+    for fds in pipes.values():
+        target, (source, sink) = os.dup(fds[0]), os.pipe()
+        for fd in fds:
+            os.dup2(sink, fd)
+        os.close(sink)
+        relays.append(threading.Thread(target=_relay, args=(source, target), daemon=True, name="gpuflow-output"))
+        relays[-1].start()
+    if relays:
+        atexit.register(_drain, relays)
+
+
+def _drain(relays: list[threading.Thread]) -> None:
+    """At exit: what serve wrote last reaches the reader, if it is still there."""
+    for stream in (sys.stdout, sys.stderr):
+        with suppress(Exception):
+            stream.flush()
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for fd in (1, 2):  # the relays' last writers: their end of file
+        os.dup2(devnull, fd)
+    for relay in relays:
+        relay.join(DRAIN_S)
+
+
+DRAIN_S = 5
+
+
+def api_refusal(url: str, e: BaseException | None = None) -> UserError:
+    """No Prefect server (more) at `url`, in one line naming it and what to start."""
+    why = f"stopped answering ({type(e).__name__}: {e})" if e else "does not answer"
+    return UserError(f"the Prefect server at {url} {why}: start it with `gpuflow server` (or `make server`) in "
+                     "another terminal, or set PREFECT_API_URL to the server to serve, then `gpuflow serve` again")
 
 
 def main(settings: Settings | None = None) -> None:
     """Serve the deployments against PREFECT_API_URL, else the `gpuflow server` of the settings."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
+    from gpuflow.tasks.tracking.tracked import api_lost
+
+    from .api import http_status
+
     settings = settings or Settings()
     served = deployments(settings)  # a bad schedule refused before any server is asked
+    url = PREFECT_API_URL.value() or settings.prefect_api_url
+    if http_status(f"{url}/health") is None:
+        raise api_refusal(url)
     # the runs this process starts, and their children, apply it
-    with handed_on(operator_policy(settings)), \
-            temporary_settings(updates={PREFECT_API_URL: PREFECT_API_URL.value() or settings.prefect_api_url}):
-        ensure_device_limit()
-        interrupt_on_ctrl_c()
-        # a deployment run starts within 2 s of being asked for, not Prefect's 10
-        serve(*served, query_seconds=float(os.environ.get("PREFECT_RUNNER_POLL_FREQUENCY", 2)))
+    with handed_on(operator_policy(settings)), temporary_settings(updates={PREFECT_API_URL: url}):
+        try:
+            ensure_device_limit()
+            interrupt_on_ctrl_c()
+            # a deployment run starts within 2 s of being asked for, not Prefect's 10
+            serve(*served, query_seconds=float(os.environ.get("PREFECT_RUNNER_POLL_FREQUENCY", 2)))
+        except Exception as e:
+            if api_lost(e):
+                raise api_refusal(url, e) from None
+            raise
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from gpuflow.training.errors import UserError
 from gpuflow.training.reaper import start_supervised, stop_supervised
 
 from .api import http_status, server_environment
+from .calls import QUIET
 from .credentials import FILE as CREDENTIALS_FILE
 from .credentials import Credentials, stack_credentials, write_private
 from .postgres import Cluster, create_databases, database, password_env, run, split_password
@@ -95,6 +96,16 @@ def prefect_env(data: Path, url: str, credentials: Credentials) -> dict:
     return env
 
 
+def quiet_mlflow_server(env: dict) -> dict:
+    """`env` without what the MLflow server says at each start that nobody can act on: its app's import of a
+    deprecated Starlette module, and basic-auth's "still experimental" warning (MLflow's errors still show), unless
+    the operator asked for them (PYTHONWARNINGS, or an MLFLOW_LOGGING_LEVEL other than gpuflow's own default)."""
+    quiet = dict(env, PYTHONWARNINGS=env.get("PYTHONWARNINGS") or "ignore:starlette.middleware.wsgi is deprecated")
+    if env.get("MLFLOW_LOGGING_LEVEL") in (None, QUIET["MLFLOW_LOGGING_LEVEL"]):
+        quiet["MLFLOW_LOGGING_LEVEL"] = "ERROR"
+    return quiet
+
+
 def mlflow_env(data: Path, url: str, credentials: Credentials) -> dict:
     """MLflow's basic-auth app: its users in the database `mlflow_auth`, the admin being the stack's credentials."""
     config = data / "mlflow-auth.ini"
@@ -104,7 +115,7 @@ def mlflow_env(data: Path, url: str, credentials: Credentials) -> dict:
                   "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
                   # cached (HMAC-keyed) to skip the slow hash check per call; the stack changes no password
                   f"auth_cache_ttl_seconds = {AUTH_CACHE_TTL_S}\n")
-    return dict(mlflow_server_environment(), **password_env(url), MLFLOW_AUTH_CONFIG_PATH=str(config),
+    return dict(quiet_mlflow_server(mlflow_server_environment()), **password_env(url), MLFLOW_AUTH_CONFIG_PATH=str(config),
                 MLFLOW_AUTH_ADMIN_USERNAME=credentials.mlflow_username,
                 MLFLOW_AUTH_ADMIN_PASSWORD=credentials.mlflow_password,  # used only to create the admin
                 MLFLOW_FLASK_SERVER_SECRET_KEY=secrets.token_hex(32))  # signs the sign-up form: the same in all workers

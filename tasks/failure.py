@@ -1,5 +1,6 @@
 """A launch's failure in one line: the first rank's own exception, else the signal that killed it, else its
-last line of output."""
+last line of output. The line is the exception's whole message, which Prefect puts in the run's state and
+`--watch` shows: the output before it (torchrun's summary) was streamed to the run's log and is in its log file."""
 
 from __future__ import annotations
 
@@ -14,11 +15,12 @@ from gpuflow.training.files import disk_full
 
 
 class TrainingFailed(RuntimeError):
-    """The worker exited non-zero; `deterministic`: the ranks said running it again would fail the same way."""
+    """The worker exited non-zero, in one line; `deterministic`: the ranks said running it again would fail the same
+    way; `output`: its last lines of output."""
 
-    def __init__(self, message: str, deterministic: bool = False):
+    def __init__(self, message: str, deterministic: bool = False, output: tuple[str, ...] = ()):
         super().__init__(message)
-        self.deterministic = deterministic
+        self.deterministic, self.output = deterministic, output
 
 
 def would_repeat(e: BaseException) -> bool:
@@ -36,13 +38,14 @@ def error_folder(workdir: Path) -> dict:
 
 
 def failure(what: str, code: int, workdir: Path, tail: list[str], log_name: str) -> TrainingFailed:
-    """The failure: a first line naming its cause, then the last lines of output."""
+    """The failure, one line naming its cause; the last lines of output (all of them in the run's logs/`log_name`)
+    go with it as `output`."""
     record = read_error(RunFolder(workdir).errors)
     last = next((line for line in reversed(tail) if line.strip()), "no output")
     cause = (describe(record) if record else killed(code, tail)
              or f"exited with code {code}; its last line: {last.strip()[:500]}")
-    return TrainingFailed(f"{what} failed: {cause}\nlast output (all of it in the run's logs/{log_name}):\n"
-                          + "\n".join(tail[-15:]), deterministic=bool(record and record["deterministic"]))
+    return TrainingFailed(f"{what} failed: {cause}".replace("\n", " "), output=tuple(tail[-15:]),
+                          deterministic=bool(record and record["deterministic"]))
 
 
 TORCHRUN_SIGNAL = re.compile(r"Signal \d+ \((SIG\w+)\) received by PID")  # torchrun's failure summary

@@ -94,6 +94,40 @@ def test_a_one_device_command_refuses_several_devices_before_any_server(tmp_path
         "('3,'), ask for '1', or use cpu; to name physical GPU 3, write '3,'"]
 
 
+def test_devices_this_host_does_not_have_are_refused_before_any_server(tmp_path):
+    out = local(["run", "--gpus", "99", "--epochs", "1"], tmp_path)
+    assert out.returncode == 2 and STARTS_API not in out.stderr, out.stderr[-3000:]
+    (line,) = out.stderr.strip().splitlines()
+    assert line.startswith("gpuflow run: gpus=99 asks for ") and ("none are usable" in line or "at most" in line), line
+    assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "runs").exists()
+
+
+def test_an_evaluation_of_a_champion_there_is_not_is_refused_before_any_server(tmp_path):
+    import mlflow
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    out = local(["evaluate", "--version", "champion", "--gpus", "cpu", "--tracking-uri", uri], tmp_path)
+    assert out.returncode == 2 and STARTS_API not in out.stderr, out.stderr[-3000:]
+    assert out.stderr.strip().splitlines() == [f"gpuflow evaluate: no MLflow store at '{tmp_path / 'mlflow.db'}': "
+                                               "nothing has been trained here; run `gpuflow run` in this folder "
+                                               "first, set MLFLOW_TRACKING_URI (or --tracking-uri) to your store, "
+                                               "or pass --checkpoint FILE"]
+    mlflow.MlflowClient(uri).create_registered_model("gpuflow-model")  # a model without the alias
+    out = local(["evaluate", "--version", "champion", "--gpus", "cpu", "--tracking-uri", uri], tmp_path)
+    assert out.returncode == 2 and STARTS_API not in out.stderr, out.stderr[-3000:]
+    (line,) = out.stderr.strip().splitlines()
+    assert line.startswith("gpuflow evaluate: model 'gpuflow-model' has no 'champion' yet"), line
+
+
+def test_prefects_count_of_what_it_still_sends_at_exit_does_not_follow_gpuflows_last_line():
+    """Prefect's EventsWorker warns "Still processing items" while it drains at exit, after the CLI's last line."""
+    probe = ("import logging, gpuflow.flows.cli; "
+             "[logging.getLogger(n).warning('Still processing items: 5 items remaining...') "
+             "for n in ('EventsWorker', 'APILogWorker')]")
+    out = subprocess.run([sys.executable, "-c", probe], env=child_env(), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "Still processing" not in out.stderr, out.stderr[-3000:]
+
+
 @pytest.mark.parametrize("args", [["--run-name", "x" * 120_000],
                                   ["--model", "proj.nets:Net", "--dataset", "proj.nets:datasets",
                                    "--model-args", json.dumps({"width": "w" * 120_000})]])

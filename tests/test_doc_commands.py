@@ -143,3 +143,21 @@ def test_every_command_on_the_page_is_accepted_as_written(page, project, monkeyp
             raise AssertionError(f"{page}: {line!r}: a command this test does not know how to check")
         checked += 1
     assert checked, f"{page} has commands but none was checked"
+
+
+def test_sweeps_on_one_page_that_optimize_other_metrics_name_other_studies():
+    """A page's sweeps run one after another in one folder: a study resumes only for its own metric and direction,
+    so a second objective under the first one's study name would be refused."""
+    from gpuflow.flows.study import study_name
+
+    for page in {p for p, _, _ in commands()}:
+        objectives: dict[str, tuple] = {}
+        for where, _, line in commands():
+            argv = shlex.split(line, comments=True)
+            if where != page or argv[:2] != ["gpuflow", "sweep"] or "--help" in argv:
+                continue
+            _, _, values = cli.parse(argv[1:])
+            objective = (values.get("optimize"), values.get("direction"))
+            study = study_name(values)
+            assert objectives.setdefault(study, objective) == objective, \
+                f"{page}: {line!r} optimizes {objective}, but study {study!r} was made for {objectives[study]}"

@@ -218,6 +218,61 @@ def test_a_served_evaluation_never_runs_the_code_a_registered_checkpoint_names(s
     assert not marker.exists()  # on main this file held `uid=0(root)`
 
 
+BOOM = """\
+import torch
+from torch.utils.data import Dataset
+
+
+class Unreadable(Dataset):  # its first samples read (the preflight's batch), the rest fail in the ranks
+    def __len__(self):
+        return 200
+
+    def __getitem__(self, i):
+        if i >= 40:
+            raise ValueError(f"sample {i} is unreadable")
+        return torch.zeros(8), i % 3
+
+
+def datasets(root):
+    return Unreadable(), Unreadable()
+"""
+
+
+def test_a_served_run_that_fails_in_its_ranks_says_why_in_one_line_in_its_state_and_the_serve_terminal(served):
+    """The state message (what --watch and the UI show) and the serve terminal's line under the run's name are the
+    rank's exception in one line: no Prefect traceback, no torchrun summary before it (both in the run's log file)."""
+    env, api, base = served["env"], served["api"], served["base"]
+    (base / "myproj" / "boom.py").write_text(BOOM)
+    serve_log = base / "serve.log"
+    start = len(serve_log.read_text())
+    out = _prefect(["deployment", "run", "train-pipeline/ddp", "-p", "model=myproj.nets:Net", "-p",
+                    "dataset=myproj.boom:datasets", "-p", "epochs=1", "-p", "gpus=cpu", "-p", "experiment=boom",
+                    "--watch"], dict(env, COLUMNS="1000"), timeout=400)
+    flow_run = _api(api, f"/flow_runs/{_flow_run_id(out.stdout)}")
+    message = flow_run["state"]["message"]
+    assert flow_run["state"]["type"] == "FAILED" and "is unreadable" in message, message
+    assert "\n" not in message and "Root Cause" not in message and "exitcode" not in message, message
+    named = f"Flow run '{flow_run['name']}' - "
+    deadline = time.monotonic() + 10  # the serve process relays the run's output as it comes
+    while not (said := [line for line in serve_log.read_text()[start:].splitlines() if named in line
+                        and "training failed: ValueError: sample" in line]):
+        assert time.monotonic() < deadline, serve_log.read_text()[start:][-3000:]
+        time.sleep(0.2)
+    shown = serve_log.read_text()[start:]
+    assert len(said) == 1 and "Traceback" not in shown and "Root Cause" not in shown, shown[-3000:]
+    assert said[0].split(named, 1)[1] == message.removeprefix("Flow run encountered an exception: TrainingFailed: ")
+
+
+def test_a_value_out_of_its_bounds_is_refused_when_the_deployment_run_is_asked_for(served):
+    """`-p epochs=0`: Prefect's API checks the deployment's parameter schema (bounds from the parameter's
+    declaration) and creates no flow run."""
+    env, api = served["env"], served["api"]
+    before = len(_flow_runs(api, "train-pipeline/ddp"))
+    out = _prefect(["deployment", "run", "train-pipeline/ddp", "-p", "epochs=0", "--watch"], dict(env, COLUMNS="1000"))
+    assert out.returncode != 0 and "'epochs'" in out.stdout and "less than the minimum of 1" in out.stdout, out.stdout
+    assert len(_flow_runs(api, "train-pipeline/ddp")) == before
+
+
 TINY_SCRIPT = """\
 import os, sys, mlflow, torch, torch.distributed as dist
 dist.init_process_group("gloo")
@@ -347,6 +402,30 @@ def test_ctrl_c_stops_make_serve_piped_through_tee_without_hanging(served, tmp_p
         except subprocess.TimeoutExpired:
             raise AssertionError(subprocess.run(["ps", "-o", "pid,stat,cmd", "-g", str(proc.pid)],
                                                 capture_output=True, text=True).stdout) from None
+        assert subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True).returncode == 1  # nothing left
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_ctrl_c_stops_gpuflow_serve_at_once_whose_pipe_reader_it_also_stopped(served, tmp_path):
+    """`gpuflow serve 2>&1 | tee serve.log`, Ctrl-C: tee is gone before serve's shutdown writes its lines
+    (EPIPE), and serve still shuts down as it does on a terminal, at the first Ctrl-C, exit status 0."""
+    log, status = tmp_path / "serve.log", tmp_path / "status"
+    proc = subprocess.Popen(["bash", "-c", f"{BIN / 'gpuflow'} serve 2>&1 | tee {log}; echo ${{PIPESTATUS[0]}} > {status}"],
+                            cwd=served["base"], env=served["env"], stdout=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + HANG_GUARD_S
+        while "being served" not in (log.read_text() if log.exists() else ""):
+            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.5)
+        os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: to serve and tee at once
+        try:
+            proc.wait(HANG_GUARD_S)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(subprocess.run(["ps", "-o", "pid,stat,cmd", "-g", str(proc.pid)],
+                                                capture_output=True, text=True).stdout) from None
+        assert status.read_text().strip() == "0", log.read_text()[-3000:]  # 1: rich's SystemExit on the dead pipe
         assert subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True).returncode == 1  # nothing left
     finally:
         with contextlib.suppress(ProcessLookupError):

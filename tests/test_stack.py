@@ -315,6 +315,21 @@ def test_the_stack_runs_its_two_servers_and_its_database_and_no_mlflow_job_syste
     assert any("mlflow" in c and "server" in c for c in tree) and any("prefect" in " ".join(c) for c in tree), tree
 
 
+def test_the_stacks_start_shows_none_of_its_libraries_deprecation_or_experimental_warnings(stack):
+    said = stack.output()
+    assert "ready" in said and "Warning" not in said and "experimental" not in said, said[-3000:]
+
+
+def test_a_terminals_ctrl_c_reaches_the_stack_and_its_servers_but_not_its_postgresql(stack):
+    """Ctrl-C goes to the terminal's foreground process group: PostgreSQL, in a session of its own, is stopped by
+    the stack after the servers (stopped first, it made Prefect's services log a traceback per query)."""
+    group = os.getpgid(stack.proc.pid)
+    servers = psutil.Process(stack.proc.pid).children(recursive=True)
+    assert [p for p in servers if "prefect" in " ".join(p.cmdline())] and all(
+        os.getpgid(p.pid) == group for p in servers if "postgres" not in " ".join(p.cmdline()))
+    assert _pids_of(stack.data) and all(os.getpgid(pid) != group for pid in _pids_of(stack.data))
+
+
 def test_the_servers_database_role_cannot_run_programs(stack):
     import psycopg
     from prefect.settings import temporary_settings
@@ -366,7 +381,7 @@ def _until_no_postgresql(data: Path, which: str) -> None:
         time.sleep(0.5)
 
 
-def test_kill_9_of_the_stack_leaves_no_postgresql_and_the_next_start_just_starts():
+def test_kill_9_of_the_stack_leaves_no_postgresql_the_next_start_just_starts_and_ctrl_c_stops_it_in_a_few_lines():
     with own_stack("kill") as s:
         s.start()
         assert _pids_of(s.data)
@@ -376,6 +391,12 @@ def test_kill_9_of_the_stack_leaves_no_postgresql_and_the_next_start_just_starts
         _wait_until_free(s.data / "stack.lock")
         s.start()
         assert s.answers() == {"prefect": 200, "mlflow": 200}
+        since = len((s.data.parent / "stack.log").read_bytes())
+        os.killpg(s.proc.pid, signal.SIGINT)  # a terminal's Ctrl-C, to the stack's process group
+        assert s.proc.wait(120) == 0, s.output(since)[-3000:]
+        said = s.output(since)
+        assert said.count("\n") < 20 and "Traceback" not in said and "Error" not in said, said[-3000:]
+        _until_no_postgresql(s.data, "interrupted")
 
 
 def test_a_stack_stopped_while_it_starts_ends_quietly_and_leaves_no_postgresql():

@@ -101,6 +101,17 @@ def test_a_bad_storage_or_schedule_is_one_line_before_anything_starts(tmp_path, 
     assert out.stderr.strip().count("\n") == 0 and message in out.stderr, out.stderr[-2000:]
 
 
+def test_serve_with_no_server_names_the_address_it_tried_and_what_to_start(tmp_path):
+    from tests.servers import free_port
+
+    port = free_port()  # nothing listens there
+    out = _gpuflow(["serve", "--prefect-port", str(port)], tmp_path, api=None, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    (line,) = out.stderr.strip().splitlines()
+    assert line.startswith(f"gpuflow serve: the Prefect server at http://127.0.0.1:{port}/api does not answer")
+    assert "`gpuflow server`" in line and "PREFECT_API_URL" in line, line
+
+
 @pytest.mark.parametrize("command, takes, ignores", [
     ("server", "--prefect-port", ["--mlflow-port", "--allow-code", "--retrain-cron"]),
     ("ui", "--mlflow-port", ["--prefect-port", "--allow-paths", "--timezone"]),
@@ -205,6 +216,36 @@ def test_the_registered_version_has_signature_example_description_and_outcome(de
     assert example.std() > 0  # real validation samples, not zeros
     scores = mlflow.pyfunc.load_model(local).predict(example)
     assert scores.shape == (2, 10)
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROME_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                "--virtual-time-budget=25000", "--window-size=3000,900"]  # wide: the table renders visible columns only
+
+
+def test_the_experiment_is_a_training_one_and_gpuflow_ui_links_its_runs_with_their_metrics(default_run, tmp_path):
+    from tests.servers import ServerProcess, free_port
+
+    _, client = default_run
+    exp = client.get_experiment_by_name("gpuflow")
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"  # not a GenAI experiment
+    assert json.loads(exp.tags["mlflow.sharedViewState.gpuflow-training"])["name"] == "training runs (gpuflow)"
+    folder, port = Path(client.tracking_uri.removeprefix("sqlite:///")).parent, free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")} | {"GPUFLOW_MLFLOW_PORT": str(port)}
+    with ServerProcess([str(GPUFLOW), "ui"], f"http://127.0.0.1:{port}/health", env, tmp_path / "ui.log", folder):
+        printed = (tmp_path / "ui.log").read_text()
+        url = f"http://127.0.0.1:{port}/#/experiments/{exp.experiment_id}/runs?workflowType=machine_learning"
+        assert f"gpuflow: training runs at {url}&viewStateShareKey=gpuflow-training" in printed, printed
+        if not CHROMIUM:
+            pytest.skip("chromium is not installed (.ci/run installs Debian's chromium)")
+        dom = subprocess.run([CHROMIUM, *CHROME_FLAGS, f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom",
+                              printed.split("training runs at ")[1].split()[0]],
+                             capture_output=True, text=True, timeout=120).stdout
+    [run] = client.search_runs([exp.experiment_id])
+    assert run.info.run_name in dom and "Sort: val_loss" in " ".join(re.sub("<[^>]+>", " ", dom).split()), dom[-2000:]
+    for column in ("val_accuracy", "val_loss", "train_loss"):  # metric columns, not only Source/Models/Dataset
+        assert column in dom, column
 
 
 def test_probe_never_prints_none_and_says_why(capsys):

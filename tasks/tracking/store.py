@@ -75,18 +75,60 @@ def checkpoint_wal(uri: str, busy_timeout_s: float = 2.0) -> bool:
     return busy == 0
 
 
+# MLflow 3.17's UI opens in its GenAI mode; what a store can hold for a training user is the experiment's kind (the
+# tag its own kind selector writes) and a saved runs view (its "Views" menu): metric columns, sorted by val_loss,
+# which every gpuflow run logs, so that sweep trials are listed flat rather than folded under their parent.
+EXPERIMENT_KIND_TAG, TRAINING_KIND = "mlflow.experimentKind", "custom_model_development"
+TRAINING_VIEW, VIEW_TAG_PREFIX = "gpuflow-training", "mlflow.sharedViewState."
+TRAINING_COLUMNS = [f"attributes.`{a}`" for a in ("Source", "Models", "Dataset")] + \
+                   [f"metrics.`{m}`" for m in ("val_accuracy", "val_loss", "train_loss")]
+
+
+def training_view() -> str:
+    """The saved view's tag value, as MLflow's UI writes one: an envelope whose `state` is the view's JSON."""
+    state = {"selectedColumns": TRAINING_COLUMNS, "orderByKey": "metrics.`val_loss`", "orderByAsc": True}
+    return json.dumps({"name": "training runs (gpuflow)", "createdAt": 0, "updatedAt": 0, "state": json.dumps(state)})
+
+
+def training_tags() -> dict[str, str]:
+    """The tags every experiment gpuflow creates or opens carries: its kind and its training view."""
+    return {EXPERIMENT_KIND_TAG: TRAINING_KIND, VIEW_TAG_PREFIX + TRAINING_VIEW: training_view()}
+
+
+def training_view_url(ui_url: str, experiment_id: str) -> str:
+    """The experiment's runs in the UI's model-training mode, through its training view (the UI keeps its mode in
+    the browser, default GenAI; only the address can choose it)."""
+    return f"{ui_url}/#/experiments/{experiment_id}/runs?workflowType=machine_learning&viewStateShareKey={TRAINING_VIEW}"
+
+
 def ensure_experiment(client: MlflowClient, name: str) -> str:
-    """The experiment's id, creating it if needed; on SQLite its artifacts live beside the db."""
+    """The experiment's id, creating it if needed, tagged for training (`training_tags`); on SQLite its artifacts
+    live beside the db."""
     if (exp := client.get_experiment_by_name(name)) is not None:
+        for key, value in training_tags().items():  # an experiment made before these tags, or by hand
+            if exp.tags.get(key) is None:
+                client.set_experiment_tag(exp.experiment_id, key, value)
         return exp.experiment_id
     db = sqlite_path(client.tracking_uri)
     location = str(db.parent / "mlartifacts" / name) if db else None
     from mlflow.exceptions import MlflowException
 
     try:
-        return client.create_experiment(name, artifact_location=location)
+        return client.create_experiment(name, artifact_location=location, tags=training_tags())
     except MlflowException:  # created concurrently by another run: use theirs
         return client.get_experiment_by_name(name).experiment_id
+
+
+def training_view_urls(uri: str, ui_url: str) -> list[str]:
+    """`training_view_url` of each experiment of the store at `uri` that gpuflow tagged; none for a SQLite file not
+    made yet (reading never creates one)."""
+    path = sqlite_path(uri)
+    if path is not None and not path.is_file():
+        return []
+    from mlflow.tracking import MlflowClient
+
+    found = MlflowClient(uri).search_experiments(filter_string=f"tags.`{EXPERIMENT_KIND_TAG}` = '{TRAINING_KIND}'")
+    return [training_view_url(ui_url, e.experiment_id) for e in found]
 
 
 def git_commit() -> str | None:
