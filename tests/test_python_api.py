@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -49,7 +48,8 @@ def user_flow(base: Path) -> Path:
 def start_user_flow(base: Path, *args: str) -> subprocess.Popen:
     """The user's script, as a shell starts a foreground job: its own group, SIGINT handled
     (a `&` job would inherit it ignored), no PREFECT_API_URL."""
-    env = child_env(PREFECT_HOME=str(base / "ph"))
+    (base / "tmp").mkdir(exist_ok=True)
+    env = child_env(PREFECT_HOME=str(base / "ph"), TMPDIR=str(base / "tmp"))
     env.pop("PREFECT_API_URL", None)
     reset = "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
     return subprocess.Popen([sys.executable, "-c", reset, str(user_flow(base)), *args], cwd=base, env=env,
@@ -62,9 +62,9 @@ def runs(db: Path) -> list:
     return client.search_runs([e.experiment_id for e in client.search_experiments()])
 
 
-def flow_run_states(home: Path) -> list[str]:
-    with sqlite3.connect(home / "prefect.db", timeout=10) as c:
-        return [s for (s,) in c.execute("select state_type from flow_run")]
+def temporary_homes(base: Path) -> list[Path]:
+    """The private PREFECT_HOMEs of gpuflow's temporary APIs (flows/api.py) left in the flow's TMPDIR."""
+    return list((base / "tmp").glob("gpuflow-prefect-*"))
 
 
 def test_a_users_flow_trains_through_the_python_api_quietly_and_stops_on_ctrl_c(tmp_path):
@@ -95,7 +95,8 @@ def test_a_users_flow_trains_through_the_python_api_quietly_and_stops_on_ctrl_c(
     assert not alive, [p.cmdline()[:4] for p in alive]
     statuses = sorted(r.info.status for r in runs(tmp_path / "mlflow.db"))
     assert statuses == ["FINISHED", "KILLED"], statuses
-    assert "RUNNING" not in flow_run_states(tmp_path / "ph")  # the user's flow and gpuflow's, both ended
+    assert not temporary_homes(tmp_path)  # its temporary API's home went with it: no flow run left anywhere
+    assert not (tmp_path / "ph" / "prefect.db").exists()  # the user's own PREFECT_HOME holds no flow run of it
 
 
 def test_bad_values_are_refused_in_one_line_whoever_calls_the_flow():
