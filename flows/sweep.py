@@ -31,7 +31,8 @@ from .params import SweepParams
 from .space import Distribution, SweepError, read_space
 from .study import (HEARTBEAT_S, Kept, best_so_far, counted, open_study, storage_url,
                     plots_beside, study_name, summarize, sweep_run)
-from .trial import Slot, Slots, Trial, TrialFolder, run_trial, stores
+from .trial import Slot, Slots, Trial, run_trial
+from .trialfolder import TrialFolder, stores
 
 CONSECUTIVE_FAILURES = 3  # trials failing in a row stop the sweep: the next would fail the same way
 

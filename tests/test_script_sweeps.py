@@ -140,7 +140,7 @@ def test_a_scripts_arguments_become_one_param_each_within_mlflows_limits(args, p
 
 
 def test_a_trial_folder_makes_afresh_every_folder_an_earlier_run_wrote_to_even_behind_a_link(tmp_path):
-    from gpuflow.flows.trial import TrialFolder
+    from gpuflow.flows.trialfolder import TrialFolder
 
     project, elsewhere = tmp_path / "proj", tmp_path / "scratch"
     (elsewhere / "sub").mkdir(parents=True)
