@@ -12,7 +12,6 @@ import os
 import shutil
 import socket
 import sqlite3
-import stat
 import subprocess
 import sys
 import tempfile
@@ -23,6 +22,7 @@ from contextlib import closing, contextmanager
 from pathlib import Path
 from typing import IO, Iterator
 
+from gpuflow.training.files import only_mine
 from gpuflow.training.reaper import start_supervised, stop_supervised
 
 STARTUP_TIMEOUT_ENV = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"  # Prefect's own name, read by both
@@ -78,8 +78,7 @@ def _own_template(path: Path) -> int | None:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError:
         return None
-    st = os.fstat(fd)
-    if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o022:
+    if only_mine(os.fstat(fd)):
         return fd
     os.close(fd)
     return None

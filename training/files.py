@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import stat
 import tempfile
 import traceback
 from pathlib import Path
@@ -72,3 +73,9 @@ def _chain(e: BaseException | None):
 
 def write_json_atomic(path: str | Path, obj) -> Path:
     return atomic_write(path, lambda tmp: tmp.write_text(json.dumps(obj, indent=2, default=str)))
+
+
+def only_mine(st: os.stat_result) -> bool:
+    """Whether a file read back (by its fstat) is a plain file of this account that no other may change: what a
+    private file gpuflow wrote (a policy, a template database) must still be when it is read."""
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o022

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import site
-import stat
 import sys
 import sysconfig
 import tempfile
@@ -19,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import UserError
+from .files import only_mine
 from .uris import plain_sqlite, same_store, shown, sqlite_file
 from .refs import (REFERENCE_FIELDS, CodeReferenceError, is_file_reference, is_reference, resolve_defined, split,
                    top_package)
@@ -69,7 +69,7 @@ class Policy:
                              "`gpuflow node` hands its runs their policy file (restart it)") from None
         with os.fdopen(fd) as f:
             st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+            if not only_mine(st):
                 raise NotAllowed(f"{POLICY_FILE_ENV}={path!r} is not a file of this account that only it may "
                                  f"change (owner uid {st.st_uid}, mode {st.st_mode & 0o777:o}); refused")
             d = json.loads(f.read())
